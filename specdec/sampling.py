@@ -1,0 +1,95 @@
+"""Logits → the normalised distribution a token is sampled from.
+
+One function, :func:`logits_to_probs`, is used identically for the target (its ``p``) and the
+drafter (its ``q``), so the acceptance rule always compares the distributions that were really
+used. Order of transforms: temperature, top-k, top-p, min-p, each followed by renormalisation.
+Temperature 0 is greedy: the one-hot of the argmax (lowest id on ties).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from specdec.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; ``top_k = 0``, ``top_p = 1``, ``min_p = 0`` disable a filter."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgumentError("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgumentError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidArgumentError("min_p", f"must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_top_k_cap(self, cap: int) -> SamplingParams:
+        """The same settings with top-k no larger than ``cap`` (a drafter's own truncation)."""
+        if cap <= 0:
+            return self
+        return replace(self, top_k=cap if self.top_k == 0 else min(self.top_k, cap))
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply ``params`` to ``logits`` [..., V] and return float32 probabilities [..., V] summing to 1."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    scaled = logits / params.temperature
+    if params.top_k and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if params.min_p > 0:
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A private RNG for one request; ``None`` draws a fresh seed from the OS."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token from ``probs`` [V] with ``generator`` (inverse CDF of one uniform)."""
+    uniform = torch.rand((), generator=generator).item()
+    return sample_with_uniform(probs, uniform)
+
+
+def sample_with_uniform(probs: torch.Tensor, uniform: float) -> int:
+    """Inverse-CDF draw from ``probs`` [V] given ``uniform`` in [0, 1); never returns a zero-mass id."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    index = int(torch.searchsorted(cdf, torch.tensor([uniform * float(cdf[-1])], dtype=torch.float64), right=True))
+    index = min(index, probs.shape[-1] - 1)
+    while probs[index] <= 0:  # float rounding at the top end of the cdf can land on a zero tail
+        index -= 1
+    return index

@@ -1,0 +1,103 @@
+"""Token trees: the one shape of every draft (a chain is a tree with one child per node).
+
+Nodes are stored in topological order (a parent's index is smaller than its children's). The
+parent index -1 means "child of the root", the root being the last token of the committed
+sequence. Positions, attention masks and paths are derived by the pure functions below.
+
+Worked example (used in the docstrings below)::
+
+    tokens  = (5, 6, 7, 8)
+    parents = (-1, -1, 0, 2)        # 5 and 6 hang off the root, 7 under 5, 8 under 7
+
+    root ─┬─ 5 ── 7 ── 8
+          └─ 6
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """Candidate tokens and their parent links; see the module docstring."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tokens and parents must have the same length")
+        for index, parent in enumerate(self.parents):
+            if not ROOT <= parent < index:
+                raise ValueError(f"node {index} has parent {parent}; parents must precede children")
+
+    @classmethod
+    def chain(cls, tokens: list[int] | tuple[int, ...]) -> TokenTree:
+        """A chain: ``chain([5, 7, 8]).parents == (-1, 0, 1)``."""
+        return cls(tuple(int(t) for t in tokens), tuple(range(-1, len(tokens) - 1)))
+
+    @classmethod
+    def empty(cls) -> TokenTree:
+        return cls((), ())
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        """True when every node has exactly the previous node as parent."""
+        return all(parent == index - 1 for index, parent in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node, 0 for children of the root: example → ``[0, 0, 1, 2]``."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent == ROOT else depths[parent] + 1)
+        return depths
+
+    def max_depth(self) -> int:
+        """Number of levels (0 for an empty tree): example → 3."""
+        return max(self.depths(), default=-1) + 1
+
+    def children(self, node: int) -> list[int]:
+        """Children of ``node`` (``ROOT`` for the top level) in proposal order: example, ROOT → ``[0, 1]``."""
+        return [index for index, parent in enumerate(self.parents) if parent == node]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the top level down to ``node`` inclusive: example, 3 → ``[0, 2, 3]``."""
+        path: list[int] = []
+        while node != ROOT:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def positions(self, prefix_len: int) -> torch.Tensor:
+        """Position ids: ``prefix_len + depth`` → ``[L, L, L+1, L+2]`` for the example.
+
+        Returns: long tensor [N].
+        """
+        return prefix_len + torch.tensor(self.depths(), dtype=torch.long)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """``mask[i, j]`` is True iff node ``j`` is node ``i`` or one of its ancestors.
+
+        Siblings and cousins never see each other. Example::
+
+            [[1, 0, 0, 0],
+             [0, 1, 0, 0],
+             [1, 0, 1, 0],
+             [1, 0, 1, 1]]
+
+        Returns: bool tensor [N, N].
+        """
+        size = len(self.tokens)
+        mask = torch.eye(size, dtype=torch.bool)
+        for index, parent in enumerate(self.parents):
+            if parent != ROOT:
+                mask[index] |= mask[parent]
+        return mask
