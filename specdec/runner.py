@@ -1,0 +1,319 @@
+"""KV-cached forward passes over Llama-family decoders, for verifying and drafting token trees.
+
+Our own forward pass over the Hugging Face modules (gpt-fast / vLLM style), no HF cache or generate:
+
+- the tokens of every sequence in one call are packed, ``[T_total, hidden]``, through embeddings,
+  norms, projections and MLP; attention runs per sequence with ``scaled_dot_product_attention`` on
+  views of that sequence's KV buffer and an explicit mask (:mod:`specdec.attention_masks`);
+- each sequence owns K and V buffers ``[layers, kv_heads, capacity, head_dim]`` holding ``length``
+  committed positions; a forward writes its new K/V after them (scratch) and leaves ``length`` alone;
+- :meth:`KVRunner.commit` keeps the pending tokens and one tree path: pointer arithmetic for a chain
+  prefix, a copy of only the chosen nodes' K/V for a tree path. Rolling back is not committing.
+  Buffer growth (doubling) is the only copy of committed KV ever made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from specdec.attention_masks import attention_mask, packed_positions
+from specdec.errors import CapacityError, InvalidArgumentError
+from specdec.tree import ROOT, TokenTree
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+_NO_TREE = TokenTree.empty()
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """One sequence's input to :meth:`KVRunner.forward`; the tree's top level hangs off ``pending[-1]``."""
+
+    seq: int
+    pending: Sequence[int]
+    tree: TokenTree = _NO_TREE
+
+
+@dataclass
+class _SeqState:
+    keys: torch.Tensor  # [layers, kv_heads, capacity, head_dim]
+    values: torch.Tensor  # [layers, kv_heads, capacity, head_dim]
+    length: int = 0
+    scratch: tuple[int, TokenTree] | None = None  # (pending count, tree) of the last forward
+
+
+@dataclass(frozen=True)
+class _Slot:
+    state: _SeqState
+    row: int  # first row of this sequence in the packed tokens
+    start: int  # committed length = first KV slot written
+    size: int  # m + N new tokens
+    mask: torch.Tensor | None  # bool [group * size, start + size]; None when size == 1 (sees everything)
+
+
+class _Layer(NamedTuple):
+    """Module references of one decoder layer, looked up once."""
+
+    attn: nn.Module
+    mlp: nn.Module
+    input_norm: tuple[torch.Tensor, float]  # RMSNorm (weight [hidden], eps)
+    post_norm: tuple[torch.Tensor, float]
+
+
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+    return module.weight, module.variance_epsilon
+
+
+def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """The HF Llama RMSNorm as one call (bit-identical in float32)."""
+    return F.rms_norm(x, norm[0].shape, norm[0], norm[1])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [T, heads, head_dim]; ``cos``, ``signed_sin`` [T, 1, head_dim].
+
+    HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, written as
+    ``roll(x) * cat(-sin1, sin2)``: bit-identical and fewer kernels.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+class KVRunner:
+    """Per-sequence KV caches and packed forwards over ``model`` (its first ``num_layers`` layers)."""
+
+    def __init__(
+        self, model: PreTrainedModel, *, num_layers: int | None = None, max_seq_len: int | None = None
+    ) -> None:
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise InvalidArgumentError(
+                "model",
+                f"architecture {config.model_type!r} is not supported (supported: {sorted(SUPPORTED_MODEL_TYPES)})",
+            )
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise InvalidArgumentError("model", f"rope type {rope_type!r} depends on the sequence length")
+        decoder = model.model
+        total_layers = len(decoder.layers)
+        num_layers = total_layers if num_layers is None else num_layers
+        if not 1 <= num_layers <= total_layers:
+            raise InvalidArgumentError("num_layers", f"must be in [1, {total_layers}], got {num_layers}")
+        limit = config.max_position_embeddings
+        if getattr(config, "sliding_window", None):  # full attention is exact inside the window
+            limit = min(limit, config.sliding_window)
+        max_seq_len = limit if max_seq_len is None else max_seq_len
+        if max_seq_len < 1:
+            raise InvalidArgumentError("max_seq_len", f"must be >= 1, got {max_seq_len}")
+        self.max_seq_len = max_seq_len
+        self._embed, self._norm, self._lm_head = decoder.embed_tokens, _norm(decoder.norm), model.lm_head
+        self._rotary = decoder.rotary_emb
+        self._layers = tuple(
+            _Layer(layer.self_attn, layer.mlp, _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm))
+            for layer in decoder.layers[:num_layers]
+        )
+        attn = self._layers[0].attn
+        self._head_dim, self._scale = attn.head_dim, attn.scaling
+        self._qk_norm = hasattr(attn, "q_norm")
+        self._vocab_size = int(config.vocab_size)
+        weight = self._embed.weight
+        self._device, self._dtype = weight.device, weight.dtype
+        with torch.inference_mode():  # local head counts from the projections' real output widths
+            probe = torch.zeros(1, config.hidden_size, device=self._device, dtype=self._dtype)
+            self._kv_heads = attn.k_proj(probe).shape[-1] // self._head_dim
+            self._group = attn.q_proj(probe).shape[-1] // self._head_dim // self._kv_heads  # query heads per KV head
+            self._cos = self._signed_sin = torch.empty(0, self._head_dim, device=self._device, dtype=self._dtype)
+        self._seqs: dict[int, _SeqState] = {}
+        self._next_id = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def num_open(self) -> int:
+        return len(self._seqs)
+
+    @torch.inference_mode()
+    def open(self) -> int:
+        """A new, empty sequence; returns its id."""
+        empty = torch.empty(
+            len(self._layers), self._kv_heads, 0, self._head_dim, device=self._device, dtype=self._dtype
+        )
+        seq, self._next_id = self._next_id, self._next_id + 1
+        self._seqs[seq] = _SeqState(empty, empty)
+        return seq
+
+    def close(self, seq: int) -> None:
+        """Free the sequence's buffers."""
+        self._state(seq)
+        del self._seqs[seq]
+
+    def length(self, seq: int) -> int:
+        """Number of committed positions (KV in place)."""
+        return self._state(seq).length
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[ForwardItem], *, all_logits: bool = False) -> list[torch.Tensor]:
+        """Run pending tokens and trees of several sequences in one pass; write their K/V as scratch.
+
+        Returns per item float32 logits ``[1 + N, V]``: the row at the last pending token, then one row
+        per tree node; with ``all_logits`` ``[m + N, V]`` (a row per pending token too).
+        """
+        slots, tokens, positions = self._plan(items)
+        for slot in slots:
+            slot.state.scratch = None
+        ids, pos = torch.tensor([tokens, positions], device=self._device)
+        hidden = self._embed(ids)  # [T, hidden]
+        cos, sin = self._cos[pos].unsqueeze(1), self._signed_sin[pos].unsqueeze(1)  # [T, 1, head_dim]
+        for index, layer in enumerate(self._layers):
+            hidden = hidden + self._attention(index, layer.attn, _rms_norm(hidden, layer.input_norm), cos, sin, slots)
+            hidden = hidden + layer.mlp(_rms_norm(hidden, layer.post_norm))
+        rows = [
+            (slot.row if all_logits else slot.row + len(item.pending) - 1, slot.row + slot.size)
+            for slot, item in zip(slots, items, strict=True)
+        ]
+        selected = hidden[rows[0][0] : rows[0][1]] if len(rows) == 1 else torch.cat([hidden[a:b] for a, b in rows])
+        logits = self._lm_head(_rms_norm(selected, self._norm)).float()  # [rows, V]
+        for slot, item in zip(slots, items, strict=True):
+            slot.state.scratch = (len(item.pending), item.tree)
+        return list(logits.split([b - a for a, b in rows]))
+
+    @torch.inference_mode()
+    def commit(self, seq: int, num_pending: int, path: Sequence[int] = ()) -> None:
+        """Commit the first ``num_pending`` pending tokens of the last forward, then the tree nodes of ``path``.
+
+        ``path`` is root-to-node order (``TokenTree.path_to``) and needs every pending token committed.
+        A chain prefix ``[0, 1, .., k-1]`` moves nothing; other paths copy only their nodes' K/V.
+        """
+        state = self._state(seq)
+        if state.scratch is None:
+            raise InvalidArgumentError("seq", f"sequence {seq} has no forward to commit")
+        pending, tree = state.scratch
+        if not 0 <= num_pending <= pending:
+            raise InvalidArgumentError("num_pending", f"must be in [0, {pending}], got {num_pending}")
+        path = list(path)
+        if path and num_pending != pending:
+            raise InvalidArgumentError("path", "a tree path can only follow all pending tokens")
+        for depth, node in enumerate(path):
+            parent = path[depth - 1] if depth else ROOT
+            if not 0 <= node < len(tree) or tree.parents[node] != parent:
+                raise InvalidArgumentError("path", f"{path} is not a root-to-node path of the tree")
+        moved = next((depth for depth, node in enumerate(path) if node != depth), len(path))
+        if moved < len(path):  # nodes only move towards the front, so the copy never reads a written slot
+            base = state.length + pending
+            source = torch.tensor([base + node for node in path[moved:]], device=self._device)
+            target = torch.arange(base + moved, base + len(path), device=self._device)
+            for buffer in (state.keys, state.values):
+                buffer.index_copy_(2, target, buffer.index_select(2, source))
+        state.length += num_pending + len(path)
+        state.scratch = None
+
+    def truncate(self, seq: int, new_length: int) -> None:
+        """Drop committed positions after ``new_length`` (pointer arithmetic)."""
+        state = self._state(seq)
+        if not 0 <= new_length <= state.length:
+            raise InvalidArgumentError("new_length", f"must be in [0, {state.length}], got {new_length}")
+        state.length, state.scratch = new_length, None
+
+    def _state(self, seq: int) -> _SeqState:
+        state = self._seqs.get(seq)
+        if state is None:
+            raise InvalidArgumentError("seq", f"sequence {seq} is not open")
+        return state
+
+    def _plan(self, items: Sequence[ForwardItem]) -> tuple[list[_Slot], list[int], list[int]]:
+        """Validate ``items``, reserve buffer space and lay out packed tokens and positions."""
+        if not items:
+            raise InvalidArgumentError("items", "nothing to forward")
+        if len({item.seq for item in items}) != len(items):
+            raise InvalidArgumentError("items", "a sequence appears twice in one forward")
+        slots: list[_Slot] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        for item in items:
+            state, pending, tree = self._state(item.seq), len(item.pending), item.tree
+            if not pending:
+                raise InvalidArgumentError("pending", f"sequence {item.seq}: at least one pending token is needed")
+            start, size = state.length, pending + len(tree)
+            if start + pending + tree.max_depth() > self.max_seq_len:
+                raise CapacityError(
+                    f"sequence {item.seq}: {start + pending + tree.max_depth()} positions exceed {self.max_seq_len}"
+                )
+            mask = (
+                attention_mask(start, pending, tree, device=self._device).repeat(self._group, 1) if size > 1 else None
+            )
+            slots.append(_Slot(state, len(tokens), start, size, mask))
+            tokens += item.pending
+            tokens += tree.tokens
+            positions += packed_positions(start, pending, tree)
+        if min(tokens) < 0 or max(tokens) >= self._vocab_size:
+            raise InvalidArgumentError("tokens", f"token ids must be in [0, {self._vocab_size})")
+        for slot in slots:
+            self._reserve(slot.state, slot.start + slot.size)
+        self._extend_rope(max(positions) + 1)
+        return slots, tokens, positions
+
+    def _attention(
+        self,
+        index: int,
+        attn: nn.Module,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: list[_Slot],
+    ) -> torch.Tensor:
+        """Self-attention of layer ``index`` over packed ``x`` [T, hidden]; returns [T, hidden]."""
+        count = x.shape[0]
+        query = attn.q_proj(x).view(count, -1, self._head_dim)  # [T, heads, head_dim]
+        key = attn.k_proj(x).view(count, -1, self._head_dim)  # [T, kv_heads, head_dim]
+        value = attn.v_proj(x).view(count, -1, self._head_dim)
+        if self._qk_norm:  # Qwen3: RMSNorm over each head
+            query, key = _rms_norm(query, _norm(attn.q_norm)), _rms_norm(key, _norm(attn.k_norm))
+        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        kv_heads, head_dim = self._kv_heads, self._head_dim
+        outputs = []
+        for slot in slots:
+            rows, end = slice(slot.row, slot.row + slot.size), slot.start + slot.size
+            keys, values = slot.state.keys[index], slot.state.values[index]  # [kv_heads, capacity, head_dim]
+            keys[:, slot.start : end] = key[rows].transpose(0, 1)
+            values[:, slot.start : end] = value[rows].transpose(0, 1)
+            # the query heads sharing a KV head become extra query rows: [1, kv_heads, group * size, head_dim]
+            grouped = query[rows].view(slot.size, kv_heads, -1, head_dim).permute(1, 2, 0, 3)
+            out = F.scaled_dot_product_attention(  # 4-D inputs take the fused kernels
+                grouped.reshape(1, kv_heads, -1, head_dim),
+                keys[None, :, :end],
+                values[None, :, :end],
+                attn_mask=slot.mask,
+                scale=self._scale,
+            )
+            outputs.append(out.view(kv_heads, -1, slot.size, head_dim).permute(2, 0, 1, 3))  # [size, kv, group, dim]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return attn.o_proj(out.reshape(count, -1))
+
+    def _reserve(self, state: _SeqState, size: int) -> None:
+        """Make room for ``size`` positions, doubling; copies only the committed KV."""
+        capacity = state.keys.shape[2]
+        if size <= capacity:
+            return
+        shape = (*state.keys.shape[:2], max(size, 2 * capacity, 16), self._head_dim)
+        keys, values = state.keys.new_empty(shape), state.values.new_empty(shape)
+        keys[:, :, : state.length] = state.keys[:, :, : state.length]
+        values[:, :, : state.length] = state.values[:, :, : state.length]
+        state.keys, state.values = keys, values
+
+    def _extend_rope(self, size: int) -> None:
+        """Grow the rotary tables [positions, head_dim] to cover ``size`` positions (doubling)."""
+        if size <= self._cos.shape[0]:
+            return
+        size = min(self.max_seq_len, max(size, 2 * self._cos.shape[0], 256))
+        positions = torch.arange(size, device=self._device)[None]
+        cos, sin = self._rotary(self._cos, positions)  # [1, size, head_dim], computed as HF does
+        half = self._head_dim // 2
+        self._cos, self._signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
