@@ -1,0 +1,122 @@
+"""``specdec`` command line: ``specdec generate PROMPT`` runs the co-located engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.drafters import DRAFTER_KINDS, DraftConfig, build_drafter
+from specdec.engine import Engine, GenerationRequest, GenerationResult
+from specdec.errors import InvalidArgumentError, SpecdecError
+from specdec.models import LoadedModel, load_model
+from specdec.runner import KVRunner
+from specdec.sampling import SamplingParams
+
+
+def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate a continuation of PROMPT")
+    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, local directory or hub id")
+    parser.add_argument("--drafter", choices=DRAFTER_KINDS, default="ngram")
+    parser.add_argument("--draft-model", help="draft model for --drafter model (same tokenizer as the target)")
+    parser.add_argument("--early-exit-layers", type=int, help="target layers the early-exit drafter uses")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="chain length γ, or tree depth")
+    parser.add_argument("--tree-width", type=int, default=1, help="children per expanded node (1: chain)")
+    parser.add_argument("--tree-budget", type=int, default=0, help="max tree nodes (0: width × depth)")
+    parser.add_argument("--tree-sampling", choices=("iid", "without_replacement"), default="without_replacement")
+    parser.add_argument("--draft-top-k", type=int, default=20, help="drafter's own truncation of q")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    parser.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def encode_prompt(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
+    """Token ids of ``prompt``, optionally through the tokenizer's chat template."""
+    tokenizer = target.tokenizer
+    if chat:
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def result_json(text: str, result: GenerationResult) -> dict:
+    """The ``--json`` object shared by every way of generating."""
+    stats = result.stats
+    return {
+        "text": text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "stats": {
+            "rounds": stats.rounds,
+            "draft_tokens": stats.draft_tokens,
+            "accepted_tokens": stats.accepted_tokens,
+            "mean_accepted_length": stats.mean_accepted_length,
+            "accepted_per_position": stats.accepted_per_position,
+            "draft_s": stats.draft_s,
+            "verify_s": stats.verify_s,
+            "state_s": stats.state_s,
+            "tokens_per_s": result.tokens_per_s,
+        },
+    }
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
+    config = DraftConfig(
+        num_draft_tokens=args.num_draft_tokens,
+        tree_width=args.tree_width,
+        tree_budget=args.tree_budget,
+        draft_top_k=args.draft_top_k,
+        tree_sampling=args.tree_sampling,
+    )
+    if not args.prompt:
+        raise InvalidArgumentError("prompt", "must not be empty")
+    if args.max_tokens <= 0:
+        raise InvalidArgumentError("max_tokens", f"must be >= 1, got {args.max_tokens}")
+    target = load_model(args.target)
+    drafter = build_drafter(
+        args.drafter, target, config, draft_model=args.draft_model, early_exit_layers=args.early_exit_layers
+    )
+    engine = Engine(KVRunner(target.model), target.eos_token_ids, drafter)
+    request = GenerationRequest(
+        encode_prompt(target, args.prompt, args.chat), params, args.max_tokens, args.seed, args.ignore_eos
+    )
+    [result] = engine.generate([request])
+    text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps(result_json(text, result)))
+    else:
+        print(text)
+        stats = result.stats
+        print(
+            f"[{result.finish_reason}] {len(result.token_ids)} tokens in {stats.rounds} rounds, "
+            f"mean accepted length {stats.mean_accepted_length:.2f}, {result.tokens_per_s:.1f} tokens/s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return _run_generate(args)
+    except SpecdecError as error:
+        print(f"specdec: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Sampling transforms: exact small cases for each filter and for their validation."""
+
+import pytest
+import torch
+
+from specdec.errors import InvalidArgumentError
+from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample, sample_with_uniform
+
+LOGITS = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+
+
+def test_temperature_one_is_softmax() -> None:
+    assert torch.allclose(logits_to_probs(LOGITS, SamplingParams()), torch.tensor([0.1, 0.2, 0.3, 0.4]))
+
+
+def test_temperature_zero_is_one_hot_argmax() -> None:
+    assert logits_to_probs(LOGITS, SamplingParams(temperature=0)).tolist() == [0, 0, 0, 1]
+
+
+def test_temperature_sharpens() -> None:
+    probs = logits_to_probs(LOGITS, SamplingParams(temperature=0.5))
+    expected = torch.tensor([0.01, 0.04, 0.09, 0.16]) / 0.30
+    assert torch.allclose(probs, expected)
+
+
+def test_top_k_keeps_the_k_largest() -> None:
+    probs = logits_to_probs(LOGITS, SamplingParams(top_k=2))
+    assert torch.allclose(probs, torch.tensor([0, 0, 3 / 7, 4 / 7]))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    # 0.4 < 0.5, 0.4 + 0.3 >= 0.5: keep the top two.
+    probs = logits_to_probs(LOGITS, SamplingParams(top_p=0.5))
+    assert torch.allclose(probs, torch.tensor([0, 0, 3 / 7, 4 / 7]))
+    assert torch.allclose(logits_to_probs(LOGITS, SamplingParams(top_p=0.4)), torch.tensor([0.0, 0, 0, 1]))
+
+
+def test_min_p_drops_below_fraction_of_max() -> None:
+    # floor = 0.4 * 0.4 = 0.16: keep 0.2, 0.3, 0.4.
+    probs = logits_to_probs(LOGITS, SamplingParams(min_p=0.4))
+    assert torch.allclose(probs, torch.tensor([0, 2 / 9, 3 / 9, 4 / 9]))
+
+
+def test_batched_rows_are_independent() -> None:
+    rows = torch.stack([LOGITS, LOGITS.flip(0)])
+    probs = logits_to_probs(rows, SamplingParams(top_k=1))
+    assert probs.tolist() == [[0, 0, 0, 1], [1, 0, 0, 0]]
+
+
+def test_top_k_cap_for_drafters() -> None:
+    assert SamplingParams().with_top_k_cap(5).top_k == 5
+    assert SamplingParams(top_k=3).with_top_k_cap(5).top_k == 3
+    assert SamplingParams(top_k=3).with_top_k_cap(0).top_k == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.2}, "min_p"),
+    ],
+)
+def test_invalid_settings_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        SamplingParams(**kwargs)
+    assert caught.value.field == field
+
+
+def test_inverse_cdf_draw_skips_zero_mass() -> None:
+    probs = torch.tensor([0.0, 1.0, 0.0])
+    assert [sample_with_uniform(probs, u) for u in (0.0, 0.2, 0.999999)] == [1, 1, 1]
+    probs = torch.tensor([0.25, 0.0, 0.75])
+    assert [sample_with_uniform(probs, u) for u in (0.0, 0.2499, 0.25, 0.99)] == [0, 0, 2, 2]
+
+
+def test_seeded_generators_repeat() -> None:
+    probs = torch.tensor([0.2, 0.3, 0.5])
+    first = [sample(probs, make_generator(7)) for _ in range(3)]
+    assert first == [sample(probs, make_generator(7)) for _ in range(3)]
