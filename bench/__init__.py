@@ -1,0 +1,1 @@
+"""Benchmarks and comparison runs (DESIGN §7)."""
