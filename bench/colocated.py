@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from specdec.cli import encode_prompt
+from specdec.cli import encode_prompt, quiet_model_loading
 from specdec.drafters import DraftConfig, build_drafter
 from specdec.engine import Engine, GenerationRequest
 from specdec.models import LoadedModel, load_model
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
 
+    quiet_model_loading()
     target = load_model(args.target)
     categories = set(args.categories.split(",")) if args.categories else None
     rows = load_prompts(PROMPTS, categories)

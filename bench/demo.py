@@ -7,7 +7,7 @@ bought. Runs in about a minute on two CPU cores.
 from __future__ import annotations
 
 from bench.colocated import PROMPTS, ConfigResult, load_prompts, run_engine
-from specdec.cli import encode_prompt
+from specdec.cli import encode_prompt, quiet_model_loading
 from specdec.drafters import DraftConfig, build_drafter
 from specdec.engine import Engine
 from specdec.models import load_model
@@ -18,6 +18,7 @@ MAX_TOKENS = 96
 
 
 def main() -> None:
+    quiet_model_loading()
     target = load_model(TARGET)
     rows = load_prompts(PROMPTS, None)
     chosen = [next(row for row in rows if row["category"] == category) for category in ("code", "rewrite", "chat")]

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from transformers.utils import logging as transformers_logging
+
 from specdec.drafters import DRAFTER_KINDS, DraftConfig, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult
 from specdec.errors import InvalidArgumentError, SpecdecError
@@ -106,11 +108,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def quiet_model_loading() -> None:
+    """Keep transformers' per-tensor progress bars and warnings off a command's output."""
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _generate_parser(subparsers)
     args = parser.parse_args(argv)
+    quiet_model_loading()
     try:
         return _run_generate(args)
     except SpecdecError as error:
