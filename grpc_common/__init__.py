@@ -1,0 +1,1 @@
+"""gRPC glue shared by the services: proto <-> core conversions, error mapping, server lifecycle."""
