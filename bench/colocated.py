@@ -22,13 +22,14 @@ import transformers
 
 from specdec.cli import encode_prompt, quiet_model_loading
 from specdec.drafters import DraftConfig, build_drafter
-from specdec.engine import Engine, GenerationRequest
+from specdec.engine import Engine, GenerationRequest, SpecStats
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 
 PROMPTS = Path(__file__).parent / "prompts" / "colocated.jsonl"
 GREEDY = SamplingParams(temperature=0.0)
+DEFAULT_CONFIGS = ("hf-generate", "hf-prompt-lookup", "target-only", "ngram", "early-exit")
 
 
 @dataclass
@@ -45,6 +46,18 @@ class ConfigResult:
     verify_s: float = 0.0
     state_s: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)
+
+    def add(self, tokens: list[int], seconds: float, stats: SpecStats | None) -> None:
+        self.tokens += len(tokens)
+        self.seconds += seconds
+        self.outputs.append(tokens)
+        if stats is not None:
+            self.rounds += stats.rounds
+            self.draft_tokens += stats.draft_tokens
+            self.accepted_tokens += stats.accepted_tokens
+            self.draft_s += stats.draft_s
+            self.verify_s += stats.verify_s
+            self.state_s += stats.state_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,81 +77,75 @@ def load_prompts(path: Path, categories: set[str] | None) -> list[dict]:
     return [row for row in rows if categories is None or row["category"] in categories]
 
 
-def run_engine(name: str, engine: Engine, prompts: list[list[int]], max_tokens: int) -> ConfigResult:
-    """Generate each prompt alone (batch 1) after one warm-up request."""
-    engine.generate([GenerationRequest(prompts[0], GREEDY, 8)])
-    result = ConfigResult(name)
-    for prompt in prompts:
-        [generated] = engine.generate([GenerationRequest(prompt, GREEDY, max_tokens)])
-        stats = generated.stats
-        result.tokens += len(generated.token_ids)
-        result.seconds += generated.elapsed_s
-        result.rounds += stats.rounds
-        result.draft_tokens += stats.draft_tokens
-        result.accepted_tokens += stats.accepted_tokens
-        result.draft_s += stats.draft_s
-        result.verify_s += stats.verify_s
-        result.state_s += stats.state_s
-        result.outputs.append(generated.token_ids)
-    return result
+Generate = Callable[[list[int]], tuple[list[int], float, SpecStats | None]]
 
 
-def run_hf_generate(
-    name: str, target: LoadedModel, prompts: list[list[int]], max_tokens: int, **kwargs
-) -> ConfigResult:
+def engine_generator(engine: Engine, max_tokens: int) -> Generate:
+    """Batch-1 greedy generation through our engine: (tokens, seconds, stats)."""
+
+    def generate(prompt: list[int]) -> tuple[list[int], float, SpecStats | None]:
+        [result] = engine.generate([GenerationRequest(prompt, GREEDY, max_tokens)])
+        return result.token_ids, result.elapsed_s, result.stats
+
+    return generate
+
+
+def hf_generator(target: LoadedModel, max_tokens: int, **kwargs) -> Generate:
     """Hugging Face ``generate`` (greedy) on the same model object; ``kwargs`` select assisted modes."""
-    model = target.model
+    eos = sorted(target.eos_token_ids)
 
-    def generate(prompt: list[int], new_tokens: int) -> list[int]:
+    def generate(prompt: list[int]) -> tuple[list[int], float, SpecStats | None]:
         ids = torch.tensor([prompt])
+        start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(
+            out = target.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
+                max_new_tokens=max_tokens,
                 do_sample=False,
-                eos_token_id=sorted(target.eos_token_ids),
-                pad_token_id=sorted(target.eos_token_ids)[0],
+                eos_token_id=eos,
+                pad_token_id=eos[0],
                 **kwargs,
             )
-        return out[0, len(prompt) :].tolist()
+        return out[0, len(prompt) :].tolist(), time.perf_counter() - start, None
 
-    generate(prompts[0], 8)
-    result = ConfigResult(name)
+    return generate
+
+
+def compare(generators: dict[str, Generate], prompts: list[list[int]]) -> list[ConfigResult]:
+    """Run every configuration on every prompt, interleaved prompt by prompt so drifting machine
+    load hits all configurations alike; one warm-up generation per configuration is not counted."""
+    for generate in generators.values():
+        generate(prompts[0][:8])
+    results = {name: ConfigResult(name) for name in generators}
     for prompt in prompts:
-        start = time.perf_counter()
-        tokens = generate(prompt, max_tokens)
-        result.seconds += time.perf_counter() - start
-        result.tokens += len(tokens)
-        result.outputs.append(tokens)
-    return result
+        for name, generate in generators.items():
+            results[name].add(*generate(prompt))
+    return list(results.values())
 
 
-def build_runs(target: LoadedModel, args: argparse.Namespace) -> dict[str, Callable[[list[list[int]]], ConfigResult]]:
-    """Every configuration by name; each returns its totals over the prompts."""
+def build_generators(target: LoadedModel, args: argparse.Namespace, names: list[str]) -> dict[str, Generate]:
+    """The named configurations: HF baselines, target-only and each drafter."""
     config = DraftConfig(num_draft_tokens=args.num_draft_tokens)
 
-    def engine_run(name: str, kind: str, **drafter_options) -> Callable[[list[list[int]]], ConfigResult]:
-        def run(prompts: list[list[int]]) -> ConfigResult:
-            drafter = build_drafter(kind, target, config, **drafter_options)
-            return run_engine(
-                name, Engine(KVRunner(target.model), target.eos_token_ids, drafter), prompts, args.max_tokens
-            )
+    def ours(kind: str, **drafter_options) -> Generate:
+        drafter = build_drafter(kind, target, config, **drafter_options)
+        return engine_generator(Engine(KVRunner(target.model), target.eos_token_ids, drafter), args.max_tokens)
 
-        return run
-
-    runs = {
-        "hf-generate": lambda prompts: run_hf_generate("hf-generate", target, prompts, args.max_tokens),
-        "hf-prompt-lookup": lambda prompts: run_hf_generate(
-            "hf-prompt-lookup", target, prompts, args.max_tokens, prompt_lookup_num_tokens=args.num_draft_tokens
+    factories: dict[str, Callable[[], Generate]] = {
+        "hf-generate": lambda: hf_generator(target, args.max_tokens),
+        "hf-prompt-lookup": lambda: hf_generator(
+            target, args.max_tokens, prompt_lookup_num_tokens=args.num_draft_tokens
         ),
-        "target-only": engine_run("target-only", "none"),
-        "ngram": engine_run("ngram", "ngram"),
-        "early-exit": engine_run("early-exit", "early-exit", early_exit_layers=args.early_exit_layers),
+        "target-only": lambda: ours("none"),
+        "ngram": lambda: ours("ngram"),
+        "early-exit": lambda: ours("early-exit", early_exit_layers=args.early_exit_layers),
+        "model": lambda: ours("model", draft_model=args.draft_model or target),
     }
-    if args.draft_model:
-        runs["model"] = engine_run("model", "model", draft_model=args.draft_model)
-    return runs
+    unknown = set(names) - set(factories)
+    if unknown:
+        raise SystemExit(f"unknown configs {sorted(unknown)}; choose from {sorted(factories)}")
+    return {name: factories[name]() for name in names}
 
 
 def markdown(results: list[ConfigResult], meta: dict) -> str:
@@ -173,29 +180,27 @@ def _fmt(value: float | None) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--draft-model", help="also run the model drafter with this draft")
+    parser.add_argument("--draft-model", help="draft for the 'model' config (default: the target itself)")
     parser.add_argument("--early-exit-layers", type=int)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--categories", help="comma-separated prompt categories (default: all)")
     parser.add_argument("--configs", help="comma-separated configs (default: all)")
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     quiet_model_loading()
     target = load_model(args.target)
     categories = set(args.categories.split(",")) if args.categories else None
     rows = load_prompts(PROMPTS, categories)
     prompts = [encode_prompt(target, row["prompt"], chat=True) for row in rows]
-    runs = build_runs(target, args)
-    names = args.configs.split(",") if args.configs else list(runs)
+    names = args.configs.split(",") if args.configs else list(DEFAULT_CONFIGS)
     if "target-only" not in names:
         names.append("target-only")
-    results = []
-    for name in names:
-        result = runs[name](prompts)
-        print(f"{name:>18}: {result.tokens} tokens, {result.tokens_per_s:.1f} tokens/s", flush=True)
-        results.append(result)
+    results = compare(build_generators(target, args, names), prompts)
     meta = {
         "target": args.target,
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),

@@ -6,7 +6,7 @@ bought. Runs in about a minute on two CPU cores.
 
 from __future__ import annotations
 
-from bench.colocated import PROMPTS, ConfigResult, load_prompts, run_engine
+from bench.colocated import PROMPTS, compare, engine_generator, load_prompts
 from specdec.cli import encode_prompt, quiet_model_loading
 from specdec.drafters import DraftConfig, build_drafter
 from specdec.engine import Engine
@@ -23,11 +23,11 @@ def main() -> None:
     rows = load_prompts(PROMPTS, None)
     chosen = [next(row for row in rows if row["category"] == category) for category in ("code", "rewrite", "chat")]
     prompts = [encode_prompt(target, row["prompt"], chat=True) for row in chosen]
-    results: list[ConfigResult] = []
-    for kind in ("none", "ngram", "early-exit"):
+    generators = {}
+    for name, kind in (("target-only", "none"), ("ngram", "ngram"), ("early-exit", "early-exit")):
         drafter = build_drafter(kind, target, DraftConfig(num_draft_tokens=4))
-        engine = Engine(KVRunner(target.model), target.eos_token_ids, drafter)
-        results.append(run_engine("target-only" if kind == "none" else kind, engine, prompts, MAX_TOKENS))
+        generators[name] = engine_generator(Engine(KVRunner(target.model), target.eos_token_ids, drafter), MAX_TOKENS)
+    results = compare(generators, prompts)
     baseline = results[0]
     for row, tokens in zip(chosen, baseline.outputs, strict=True):
         answer = target.tokenizer.decode(tokens, skip_special_tokens=True).strip().replace("\n", " ")
