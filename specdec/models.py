@@ -61,7 +61,8 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | t
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
     except (OSError, ValueError) as error:
-        raise ModelNotFoundError(f"model {name!r}: cannot load {directory} ({kwargs}): {error}") from error
+        reason = " ".join(str(error).split())
+        raise ModelNotFoundError(f"model {name!r}: cannot load {directory} ({kwargs}): {reason}") from error
     return _finish(model, _local_tokenizer(directory, kwargs), name, device)
 
 
@@ -109,7 +110,8 @@ def _load_hub_id(name: str, dtype: torch.dtype, device: str | torch.device) -> L
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local_only)
             tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
         except (OSError, ValueError) as error:
-            tried.append(f"{'local Hugging Face cache' if local_only else 'Hugging Face hub'}: {error}")
+            where = "local Hugging Face cache" if local_only else "Hugging Face hub"
+            tried.append(f"{where}: {' '.join(str(error).split())}")  # one line: HF's messages span several
             continue
         return _finish(model, tokenizer, name, device)
     if offline:
