@@ -1,0 +1,1 @@
+"""Ray placement of the router, drafters and verifiers: ``specdec up`` / ``status`` / ``down``."""

@@ -1,0 +1,46 @@
+"""One Ray actor class that serves any of the three services in its own process.
+
+Each actor starts its service's gRPC server on a free port and reports the address; the
+service code is the same as ``python -m <service>``, configured by the same argument list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROLES = ("verifier", "drafter", "router")
+
+
+class ServiceActor:
+    """Serves ``role`` configured by ``argv`` (the service's own command-line arguments)."""
+
+    def __init__(self, role: str, argv: list[str]) -> None:
+        if role == "verifier":
+            from verifier_service.config import VerifierConfig
+            from verifier_service.server import start_verifier
+
+            running = start_verifier(VerifierConfig.from_args(argv))
+            self._addresses = {"grpc": running.address}
+        elif role == "drafter":
+            from drafter_service.config import DrafterConfig
+            from drafter_service.server import start_drafter
+
+            running = start_drafter(DrafterConfig.from_args(argv))
+            self._addresses = {"grpc": running.address}
+        elif role == "router":
+            from router.config import RouterConfig
+            from router.server import start_router
+
+            running = start_router(RouterConfig.from_args(argv))
+            self._addresses = {"grpc": running.grpc_address, "http": running.http_address}
+        else:
+            raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
+        self._running: Any = running
+        self.role = role
+
+    def addresses(self) -> dict[str, str]:
+        """Where the service listens: ``{"grpc": host:port}`` (+ ``"http"`` for the router)."""
+        return self._addresses
+
+    def stop(self) -> None:
+        self._running.stop()

@@ -1,0 +1,135 @@
+"""``specdec up`` / ``specdec status`` / ``specdec down``: the Ray launcher's command line.
+
+Counts, models and the drafter kind come from flags or one TOML file (``--config``) whose keys
+are the :class:`~launcher.cluster.Deployment` field names (``num_drafters = 2``); flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from launcher.cluster import ClusterState, Deployment, health, state_file
+
+UP_TIMEOUT_S = 900
+DOWN_TIMEOUT_S = 120
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    up = subparsers.add_parser("up", help="start router, drafters and verifiers on Ray, return when all serve")
+    up.add_argument("--address", help="existing Ray cluster (default: start a local one)")
+    up.add_argument("--config", type=Path, help="TOML file with any of the options below")
+    up.add_argument("--target", help="target model (default smollm2-135m)")
+    up.add_argument(
+        "--drafter-kind",
+        action="append",
+        dest="drafter_kinds",
+        choices=("ngram", "model", "early-exit"),
+        help="drafter kind to place (repeat for several kinds; default ngram)",
+    )
+    up.add_argument("--draft-model", help="draft model of the model drafter (default: the target)")
+    up.add_argument("--num-drafters", type=int, help="drafters per kind; default 1")
+    up.add_argument("--num-verifiers", type=int, help="default 1")
+    up.add_argument("--verifier-gpus", type=int, help="GPUs (tensor-parallel ranks) per verifier; default 0")
+    up.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
+    for role in ("verifier", "drafter", "router"):
+        up.add_argument(f"--{role}-arg", action="append", dest=f"{role}_args", help=f"extra {role} argument")
+    status = subparsers.add_parser("status", help="addresses and health of what `up` started")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    subparsers.add_parser("down", help="stop everything `up` started")
+
+
+def deployment_from(args: argparse.Namespace) -> Deployment:
+    """Defaults, overridden by the TOML file, overridden by explicit flags."""
+    values = tomllib.loads(args.config.read_text()) if args.config else {}
+    known = {field.name for field in fields(Deployment)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"{args.config}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    values.update({name: getattr(args, name) for name in known if getattr(args, name, None) is not None})
+    return Deployment(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+def up(args: argparse.Namespace, path: Path) -> dict:
+    """Start the supervisor and wait until it reports the services ready (or failed)."""
+    if path.exists():
+        raise ValueError(f"a deployment is already recorded in {path}; run `specdec down` first")
+    command = [sys.executable, "-m", "launcher.daemon", "--state-file", str(path)]
+    command += ["--deployment", json.dumps(asdict(deployment_from(args)))]
+    if args.address:
+        command += ["--address", args.address]
+    if args.num_cpus:
+        command += ["--num-cpus", str(args.num_cpus)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".log"), "ab") as log:
+        supervisor = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if path.exists():
+            state = ClusterState.load(path)
+            if state.status == "ready":
+                return {"router": state.router, "workers": state.workers}
+            if state.status == "failed":
+                supervisor.wait(DOWN_TIMEOUT_S)
+                path.unlink(missing_ok=True)
+                raise RuntimeError(f"specdec up failed:\n{state.error}")
+        if supervisor.poll() is not None:
+            raise RuntimeError(f"the supervisor exited ({supervisor.returncode}); see {path.with_suffix('.log')}")
+        time.sleep(0.5)
+    supervisor.terminate()
+    raise TimeoutError(f"services not ready within {UP_TIMEOUT_S} s; see {path.with_suffix('.log')}")
+
+
+def status(path: Path) -> dict:
+    state = ClusterState.load(path)
+    return {
+        "ray_address": state.ray_address,
+        "router": {**state.router, "health": health(state.router["grpc"])},
+        "workers": [{**worker, "health": health(worker["address"])} for worker in state.workers],
+    }
+
+
+def down(path: Path) -> None:
+    """Signal the supervisor and wait for it to stop everything."""
+    state = ClusterState.load(path)
+    try:
+        os.kill(state.supervisor_pid, signal.SIGTERM)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+        return
+    deadline = time.monotonic() + DOWN_TIMEOUT_S
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if path.exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state.supervisor_pid, signal.SIGKILL)
+        path.unlink()
+
+
+def run(args: argparse.Namespace) -> int:
+    path = state_file()
+    if args.command == "up":
+        print(json.dumps(up(args, path)))
+    elif args.command == "status":
+        report = status(path)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(
+                f"router    gRPC {report['router']['grpc']}  HTTP {report['router']['http']}  "
+                f"{report['router']['health']}"
+            )
+            for worker in report["workers"]:
+                print(f"{worker['role']:<9} {worker['address']}  {worker['health']}")
+    else:
+        down(path)
+    return 0

@@ -1,0 +1,118 @@
+"""Place the services on Ray and remember where they serve.
+
+``specdec up`` starts a small supervisor process (:mod:`launcher.daemon`) that owns the Ray driver:
+without ``--address`` it starts a local Ray instance, otherwise it joins the given cluster. There it
+places the verifiers (each in a placement group of ``verifier_gpus`` GPU bundles packed on one node:
+its tensor-parallel ranks), the drafters (asking for the custom ``drafter`` resource on a cluster)
+and the router, then records their addresses in a state file and waits. ``specdec down`` signals the
+supervisor, which stops the services and Ray. Services bind loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from launcher.actors import ServiceActor
+
+NAMESPACE = "specdec"
+DEFAULT_STATE_FILE = Path.home() / ".specdec" / "cluster.json"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What to place: counts, models and per-service extra arguments."""
+
+    target: str = "smollm2-135m"
+    drafter_kinds: tuple[str, ...] = ("ngram",)
+    draft_model: str | None = None
+    num_drafters: int = 1  # per kind
+    num_verifiers: int = 1
+    verifier_gpus: int = 0
+    verifier_args: tuple[str, ...] = ()
+    drafter_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+
+
+@dataclass
+class ClusterState:
+    """What ``up`` started, persisted for ``status`` and ``down``."""
+
+    supervisor_pid: int
+    ray_address: str = ""
+    status: str = "starting"  # starting, ready or failed
+    error: str = ""
+    router: dict[str, str] = field(default_factory=dict)
+    workers: list[dict[str, str]] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        scratch.replace(path)  # readers never see a half-written file
+
+    @classmethod
+    def load(cls, path: Path) -> ClusterState:
+        if not path.exists():
+            raise FileNotFoundError(f"no deployment recorded in {path}; run `specdec up` first")
+        return cls(**json.loads(path.read_text()))
+
+
+def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, timeout_s: float = 600) -> list:
+    """Start every service as a Ray actor, fill ``state`` with addresses, and return the actor handles."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote = ray.remote(ServiceActor)
+    actors = []
+
+    def spawn(role: str, argv: list[str], **options: object) -> object:
+        actor = remote.options(num_cpus=0, **options).remote(role, argv)
+        actors.append(actor)
+        return actor
+
+    verifiers = []
+    for _ in range(deployment.num_verifiers):
+        options: dict[str, object] = {}
+        if deployment.verifier_gpus:
+            group = placement_group([{"GPU": 1}] * deployment.verifier_gpus, strategy="STRICT_PACK")
+            ray.get(group.ready(), timeout=timeout_s)
+            options = {"num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
+        verifiers.append(spawn("verifier", ["--model", deployment.target, *deployment.verifier_args], **options))
+    drafters = []
+    for kind in deployment.drafter_kinds:
+        for _ in range(deployment.num_drafters):
+            argv = ["--kind", kind, "--target", deployment.target, *deployment.drafter_args]
+            if kind == "model":
+                argv += ["--draft-model", deployment.draft_model or deployment.target]
+            drafters.append(spawn("drafter", argv, **({"resources": {"drafter": 1}} if in_cluster else {})))
+    addresses = ray.get([actor.addresses.remote() for actor in verifiers + drafters], timeout=timeout_s)
+    roles = ["verifier"] * len(verifiers) + ["drafter"] * len(drafters)
+    # Free ports unless the deployment's router arguments say otherwise (later flags win).
+    router_argv = ["--model", deployment.target, "--grpc-port", "0", "--http-port", "0", *deployment.router_args]
+    for role, address in zip(roles, addresses, strict=True):
+        router_argv += [f"--{role}", address["grpc"]]
+        state.workers.append({"role": role, "address": address["grpc"]})
+    router = spawn("router", router_argv)
+    state.router = ray.get(router.addresses.remote(), timeout=timeout_s)
+    return actors
+
+
+def health(address: str, timeout_s: float = 2.0) -> str:
+    """grpc.health.v1 status of ``address``: SERVING, NOT_SERVING, ... or UNREACHABLE."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def state_file() -> Path:
+    return Path(os.environ.get("SPECDEC_STATE_FILE", DEFAULT_STATE_FILE))
