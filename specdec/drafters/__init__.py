@@ -1,10 +1,14 @@
-"""Drafters behind one interface: ``model``, ``ngram`` and ``early-exit``."""
+"""Drafters behind one interface: ``model``, ``ngram`` and ``early-exit``.
+
+Every drafter supports pipelining (``assume_accepted``) and rollback (``sync``); see
+:mod:`specdec.drafters.base`.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from specdec.drafters.base import DraftConfig, Drafter, Proposal
+from specdec.drafters.base import DraftConfig, Drafter, Proposal, SequenceDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import InvalidArgumentError
@@ -22,6 +26,7 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "Proposal",
+    "SequenceDrafter",
     "build_drafter",
     "default_early_exit_layers",
 ]
@@ -44,7 +49,7 @@ def build_drafter(
     if kind == "none":
         return None
     if kind == "ngram":
-        return NgramDrafter(config)
+        return NgramDrafter(config, vocab_size=target.vocab_size)
     if kind == "model":
         if draft_model is None:
             raise InvalidArgumentError("draft_model", "the model drafter needs a draft model")

@@ -1,15 +1,48 @@
-"""What every drafter promises: per-sequence state, batched proposals, rollback on commit."""
+"""What every drafter promises: per-sequence state, batched proposals, commit, pipelining and rollback.
+
+A sequence's **text** is its prompt plus everything committed or assumed so far. A drafter proposes
+candidates that hang off the end of the text; the last proposal stays *outstanding* until one of three
+calls resolves it:
+
+- ``commit(handle, accepted_path, emitted)``: the verifier accepted ``accepted_path`` of the outstanding
+  proposal and emitted ``emitted`` (accepted tokens, then the recovered or bonus token); the text grows by
+  ``emitted``. State the last draft forward computed for accepted nodes is kept.
+- ``assume_accepted(handle)``: pipelining (DESIGN §4). While the verifier checks the outstanding proposal,
+  its assumed path (a chain: every node; a tree: its most probable root-to-leaf path, see
+  :func:`most_probable_leaf_path`) is appended to the text as if accepted, with no final token yet, so the
+  next ``propose`` drafts on top of it.
+- ``sync(handle, base_length, emitted)``: the committed text is now ``text[:base_length] + emitted``. One
+  call for every outcome: a normal commit, the confirmation of an assumed chain (the new text equals the
+  text: nothing to do, and a proposal drafted on top stays outstanding), or a rollback after a rejection
+  (state is cut back to the common prefix by pointer arithmetic and the rest becomes pending input).
+
+After any of them the drafter proposes exactly what a drafter opened fresh on the new text would.
+
+Worked example of a pipelined round::
+
+    open (5, 6)                       text (5, 6)
+    propose → chain (7, 8)            outstanding (7, 8)
+    assume_accepted                   text (5, 6, 7, 8)
+    propose → chain (9,)              drafted while (7, 8) is verified; outstanding (9,)
+    then one of:
+      sync(2, [7, 8])                 all accepted, bonus deferred: text unchanged, (9,) still outstanding
+      sync(2, [7, 8, 9])              all accepted, bonus 9: text (5, 6, 7, 8, 9); node 9's state is kept
+      sync(2, [7, 3])                 8 rejected, correction 3: text (5, 6, 7, 3); (9,) discarded
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Protocol
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.sampling import SamplingParams
-from specdec.tree import TokenTree
+from specdec.tree import ROOT, TokenTree
 
 TreeSampling = Literal["iid", "without_replacement"]
 
@@ -45,6 +78,21 @@ class DraftConfig:
     def max_nodes(self) -> int:
         return self.tree_budget or self.tree_width * self.num_draft_tokens
 
+    def with_shape(
+        self, num_draft_tokens: int, tree_width: int, tree_budget: int, tree_sampling: TreeSampling | None
+    ) -> DraftConfig:
+        """This config with a per-sequence shape (validated); 0 or ``None`` keeps this config's value.
+
+        ``with_shape(0, 2, 6, None)`` on the defaults: depth 4, width 2, at most 6 nodes, without replacement.
+        """
+        return replace(
+            self,
+            num_draft_tokens=num_draft_tokens or self.num_draft_tokens,
+            tree_width=tree_width or self.tree_width,
+            tree_budget=tree_budget or self.tree_budget,
+            tree_sampling=tree_sampling or self.tree_sampling,
+        )
+
 
 @dataclass(frozen=True)
 class Proposal:
@@ -63,8 +111,10 @@ class Proposal:
 class Drafter(Protocol):
     """Per-sequence drafting state; all calls for many sequences are batched where the drafter can."""
 
-    def open(self, prompt: list[int], params: SamplingParams, generator: torch.Generator) -> int:
-        """Start a sequence on ``prompt`` and return its handle."""
+    def open(
+        self, prompt: list[int], params: SamplingParams, generator: torch.Generator, config: DraftConfig | None = None
+    ) -> int:
+        """Start a sequence on ``prompt`` (its own candidate shape: ``config``) and return its handle."""
         ...
 
     def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
@@ -75,6 +125,213 @@ class Drafter(Protocol):
         """The verifier accepted ``accepted_path`` of the last proposal and emitted ``emitted``."""
         ...
 
+    def assume_accepted(self, handle: int) -> None:
+        """Pipelining: treat the last proposal's assumed path as accepted, with no final token yet."""
+        ...
+
+    def sync(self, handle: int, base_length: int, emitted: list[int]) -> None:
+        """The committed text is now ``text[:base_length] + emitted``."""
+        ...
+
     def close(self, handle: int) -> None:
         """Free everything the sequence holds."""
         ...
+
+    @property
+    def num_open(self) -> int:
+        """Open sequences."""
+        ...
+
+    @property
+    def runner_sequences(self) -> int:
+        """Sequences holding KV in a model runner (0 for model-free drafters); for leak checks."""
+        ...
+
+
+@dataclass(frozen=True)
+class Outstanding:
+    """The last proposal of a sequence, hanging off the end of its text, until a call resolves it.
+
+    ``assumed_path`` is what :meth:`SequenceDrafter.assume_accepted` appends: root-to-leaf node indices.
+    """
+
+    tree: TokenTree
+    assumed_path: tuple[int, ...]
+
+
+@dataclass(kw_only=True)
+class SequenceState:
+    """What every drafter keeps per sequence: the text, its candidate shape and the outstanding proposal."""
+
+    text: list[int]
+    config: DraftConfig
+    outstanding: Outstanding | None = None
+
+
+S = TypeVar("S", bound=SequenceState)
+
+
+class SequenceDrafter(ABC, Generic[S]):
+    """Handles, validation and the commit / assume / sync bookkeeping shared by every drafter.
+
+    Subclasses say how a sequence starts (:meth:`_start`), how its state follows a new text
+    (:meth:`_resync`) and what closing frees (:meth:`_release`); ``propose`` must leave an
+    :class:`Outstanding` on every sequence it drafted for.
+    """
+
+    def __init__(self, config: DraftConfig, vocab_size: int | None) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self._sequences: dict[int, S] = {}
+        self._handles = itertools.count()
+
+    def open(
+        self, prompt: list[int], params: SamplingParams, generator: torch.Generator, config: DraftConfig | None = None
+    ) -> int:
+        """Start a sequence on ``prompt``; ``config`` (default: the drafter's) shapes its candidates."""
+        if not prompt:
+            raise InvalidArgumentError("prompt", "must not be empty")
+        check_tokens("prompt", prompt, self.vocab_size)
+        state = self._start(list(prompt), params, generator, config or self.config)
+        handle = next(self._handles)
+        self._sequences[handle] = state
+        return handle
+
+    def close(self, handle: int) -> None:
+        """Free the sequence (closing an unknown or closed handle does nothing)."""
+        state = self._sequences.pop(handle, None)
+        if state is not None:
+            self._release(state)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def runner_sequences(self) -> int:
+        return 0
+
+    def text(self, handle: int) -> list[int]:
+        """The sequence's prompt + committed + assumed tokens."""
+        return list(self._sequence(handle).text)
+
+    @abstractmethod
+    def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
+        """Draft for each handle at most ``max_tokens[i]`` nodes (0: propose nothing)."""
+
+    def commit(self, handle: int, accepted_path: list[int], emitted: list[int]) -> None:
+        """The verifier accepted ``accepted_path`` (root to leaf) of the outstanding proposal and emitted ``emitted``.
+
+        ``emitted`` starts with the accepted nodes' tokens (the stop rules may cut it, and the path with it).
+        """
+        state = self._sequence(handle)
+        tree = state.outstanding.tree if state.outstanding else TokenTree.empty()
+        path = list(accepted_path)
+        if path and (not 0 <= path[-1] < len(tree) or tree.path_to(path[-1]) != path):
+            raise InvalidArgumentError("accepted_path", f"{path} is not a root-to-node path of the last proposal")
+        if [tree.tokens[node] for node in path] != list(emitted[: len(path)]):
+            raise InvalidArgumentError("emitted", "must start with the tokens of accepted_path")
+        check_tokens("emitted", emitted, self.vocab_size)
+        self._resync(state, state.text + list(emitted), path)
+
+    def assume_accepted(self, handle: int) -> None:
+        """Append the outstanding proposal's assumed path to the text, as if accepted, with no final token."""
+        state = self._sequence(handle)
+        if state.outstanding is None:
+            raise InvalidArgumentError(
+                "assume_previous_accepted", "no outstanding proposal (it was committed, assumed or rolled back)"
+            )
+        tree, path = state.outstanding.tree, list(state.outstanding.assumed_path)
+        self._resync(state, state.text + [tree.tokens[node] for node in path], path)
+
+    def sync(self, handle: int, base_length: int, emitted: list[int]) -> None:
+        """The committed text is now ``text[:base_length] + emitted`` (see the module docstring)."""
+        state = self._sequence(handle)
+        if not 0 <= base_length <= len(state.text):
+            raise InvalidArgumentError("base_length", f"must be in [0, {len(state.text)}], got {base_length}")
+        check_tokens("emitted", emitted, self.vocab_size)
+        text = state.text[:base_length] + list(emitted)
+        if not text:
+            raise InvalidArgumentError("emitted", "the committed text must not become empty")
+        if text != state.text:  # equal: an assumed chain confirmed, nothing changes
+            self._resync(state, text, None)
+
+    def _sequence(self, handle: int) -> S:
+        state = self._sequences.get(handle)
+        if state is None:
+            raise KeyError(f"sequence handle {handle} is not open")
+        return state
+
+    def _sequences_for(self, handles: list[int], max_tokens: list[int]) -> list[S]:
+        """Validate a ``propose`` batch and return its sequences, with their outstanding proposals cleared."""
+        if len(handles) != len(max_tokens):
+            raise InvalidArgumentError("max_tokens", "needs one budget per handle")
+        if len(set(handles)) != len(handles):
+            raise InvalidArgumentError("handles", "a sequence appears twice in one propose call")
+        bad = next((budget for budget in max_tokens if budget < 0), None)
+        if bad is not None:
+            raise InvalidArgumentError("max_tokens", f"must be >= 0, got {bad}")
+        states = [self._sequence(handle) for handle in handles]
+        for state in states:
+            state.outstanding = None
+        return states
+
+    @abstractmethod
+    def _start(self, prompt: list[int], params: SamplingParams, generator: torch.Generator, config: DraftConfig) -> S:
+        """The state of a new sequence on ``prompt`` (validated, not empty)."""
+
+    @abstractmethod
+    def _resync(self, state: S, text: list[int], path: list[int] | None) -> None:
+        """Make ``state`` follow ``text`` and clear its outstanding proposal.
+
+        ``path``, when known, is the outstanding proposal's root-to-node path whose tokens ``text`` appends
+        right after the current text; ``None`` leaves it to the drafter to find (:func:`match_path`).
+        """
+
+    def _release(self, state: S) -> None:
+        """Free what ``state`` holds outside this object (nothing by default)."""
+
+
+def check_tokens(field: str, tokens: Sequence[int], vocab_size: int | None) -> None:
+    """Raise InvalidArgumentError naming ``field`` unless every id is in ``[0, vocab_size)``."""
+    limit = vocab_size if vocab_size is not None else 2**31
+    if any(not 0 <= token < limit for token in tokens):
+        raise InvalidArgumentError(field, f"token ids must be in [0, {limit})")
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix: ``common_prefix_length([5, 6, 7], [5, 6, 3, 4]) == 2``."""
+    return next((index for index, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def match_path(tree: TokenTree, tokens: Sequence[int]) -> list[int]:
+    """The longest root-to-node path whose tokens are a prefix of ``tokens``.
+
+    With ``tokens = (5, 6, 7, 8)``, ``parents = (-1, -1, 0, 2)``: ``match_path(tree, [5, 7, 1]) == [0, 2]``,
+    ``match_path(tree, [6, 9]) == [1]``, ``match_path(tree, [9]) == []``. Siblings with the same token (i.i.d.
+    draws) hold the same state, so any longest match serves.
+    """
+    best: list[int] = []
+    stack: list[tuple[int, list[int]]] = [(ROOT, [])]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > len(best):
+            best = path
+        if len(path) < len(tokens):
+            stack.extend(
+                (child, [*path, child]) for child in tree.children(node) if tree.tokens[child] == tokens[len(path)]
+            )
+    return best
+
+
+def most_probable_leaf_path(tree: TokenTree, path_probs: Sequence[float]) -> list[int]:
+    """Root-to-leaf path of the leaf with the highest draft path probability (ties: the lower index).
+
+    A chain's path is all of it. With parents ``(-1, -1, 0, 2)`` and path probabilities
+    ``(0.6, 0.4, 0.3, 0.1)`` the leaves are 1 (0.4) and 3 (0.1): the path is ``[1]``.
+    """
+    if not len(tree):
+        return []
+    leaves = set(range(len(tree))) - set(tree.parents)
+    leaf = max(sorted(leaves), key=lambda node: path_probs[node])
+    return tree.path_to(leaf)

@@ -1,147 +1,207 @@
 """Drafting with a causal LM: a small draft model, or the target's first layers (early exit).
 
-Per sequence the draft runner's KV holds only committed text. A round drafts level by level;
-each level is one batched forward over ``pending + tree so far``, so the last forward of a round
-leaves KV for every node but the deepest level in the runner's scratch. On commit the accepted
-nodes that went through that forward are kept by :meth:`KVRunner.commit` (pointer arithmetic for
-chains); accepted nodes of the deepest level, and the correction or bonus token, never went
-through the draft model and become the next round's pending input.
+Per sequence the draft runner's KV holds a prefix of the text (prompt + committed + assumed); the rest,
+at least the last token, is *pending* input of the next forward. A round drafts level by level; each level
+is one batched forward over ``pending + tree so far``, so the last forward of a round leaves KV for every
+node but the deepest level in the runner's scratch.
+
+When the text moves on (commit, assume, sync; see :mod:`specdec.drafters.base`):
+
+- if it extends the text the proposal was drafted from, the pending tokens and the accepted nodes that
+  went through the last forward are committed by :meth:`KVRunner.commit` (pointer arithmetic for chains);
+  accepted nodes of the deepest level, and a recovered or bonus token, never went through the draft model
+  and become pending;
+- otherwise (a rollback of an assumed chain) the runner is truncated to the common prefix, pointer
+  arithmetic, and the new tokens become pending.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters.base import DraftConfig, Proposal
+from specdec.drafters.base import (
+    DraftConfig,
+    Outstanding,
+    Proposal,
+    SequenceDrafter,
+    SequenceState,
+    common_prefix_length,
+    match_path,
+    most_probable_leaf_path,
+)
+from specdec.errors import InvalidArgumentError
 from specdec.runner import ForwardItem, KVRunner
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.tree import ROOT, TokenTree
 
 
-@dataclass
-class _Sequence:
+@dataclass(frozen=True)
+class _Drafted(Outstanding):
+    """An outstanding proposal and how many of its nodes (a topological prefix) are in the runner's scratch.
+
+    ``forwarded_nodes`` is None when no forward ran for it (nothing was drafted).
+    """
+
+    forwarded_nodes: int | None
+
+
+@dataclass(kw_only=True)
+class _Sequence(SequenceState):
     runner_seq: int
-    pending: list[int]
     params: SamplingParams
     generator: torch.Generator
-    forwarded_nodes: int | None = None  # nodes that went through the last forward; None: no forward since commit
 
 
 @dataclass
 class _Draft:
-    """One sequence's tree under construction."""
+    """One sequence's tree under construction; ``levels`` is its depth limit this round."""
 
     sequence: _Sequence
     budget: int
+    levels: int
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     rows: list[torch.Tensor] = field(default_factory=list)
     path_probs: list[float] = field(default_factory=list)
     frontier: list[int] = field(default_factory=lambda: [ROOT])
+    forwarded_nodes: int | None = None
 
     @property
     def tree(self) -> TokenTree:
         return TokenTree(tuple(self.tokens), tuple(self.parents))
 
 
-class ModelDrafter:
+class ModelDrafter(SequenceDrafter[_Sequence]):
     """Chains (``tree_width == 1``) or trees drafted by ``runner``'s model; batched across sequences."""
 
     def __init__(self, runner: KVRunner, config: DraftConfig) -> None:
+        super().__init__(config, runner.vocab_size)
         self.runner = runner
-        self.config = config
-        self._sequences: dict[int, _Sequence] = {}
-        self._handles = itertools.count()
 
-    def open(self, prompt: list[int], params: SamplingParams, generator: torch.Generator) -> int:
-        runner_seq = self.runner.open()
-        if len(prompt) > 1:  # prefill now so each round recomputes only the last token(s)
-            self.runner.forward([ForwardItem(runner_seq, prompt[:-1])])
-            self.runner.commit(runner_seq, len(prompt) - 1)
-        handle = next(self._handles)
-        self._sequences[handle] = _Sequence(runner_seq, prompt[-1:], params, generator)
-        return handle
+    @property
+    def runner_sequences(self) -> int:
+        return self.runner.num_open
+
+    def cached_length(self, handle: int) -> int:
+        """Positions of the text whose KV is committed in the runner (at most ``len(text) - 1``)."""
+        return self.runner.length(self._sequence(handle).runner_seq)
 
     def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
-        drafts = {
-            handle: _Draft(self._sequences[handle], min(budget, self.config.max_nodes))
-            for handle, budget in zip(handles, max_tokens, strict=True)
-        }
-        for depth in range(self.config.num_draft_tokens):
-            growing = [draft for draft in drafts.values() if draft.frontier and len(draft.tokens) < draft.budget]
+        """Draft level by level, one batched forward per level over every sequence still growing.
+
+        A sequence drafts at most as deep as the runner's context allows; at its end it proposes nothing.
+        """
+        drafts = []
+        for sequence, budget in zip(self._sequences_for(handles, max_tokens), max_tokens, strict=True):
+            room = self.runner.max_seq_len + 1 - len(sequence.text)  # a level-d forward needs len(text) + d positions
+            levels = max(0, min(sequence.config.num_draft_tokens, room))
+            drafts.append(_Draft(sequence, min(budget, sequence.config.max_nodes), levels))
+        for depth in range(max((draft.levels for draft in drafts), default=0)):
+            growing = [d for d in drafts if depth < d.levels and d.frontier and len(d.tokens) < d.budget]
             if not growing:
                 break
-            items = [ForwardItem(d.sequence.runner_seq, d.sequence.pending, d.tree) for d in growing]
+            items = [ForwardItem(d.sequence.runner_seq, self._pending(d.sequence), d.tree) for d in growing]
             for draft, logits in zip(growing, self.runner.forward(items), strict=True):
-                draft.sequence.forwarded_nodes = len(draft.tokens)
-                self._grow(draft, logits, last_level=depth == self.config.num_draft_tokens - 1)
-        return [self._proposal(drafts[handle]) for handle in handles]
+                draft.forwarded_nodes = len(draft.tokens)
+                self._grow(draft, logits)
+        proposals = []
+        for draft in drafts:
+            tree = draft.tree
+            assumed = most_probable_leaf_path(tree, draft.path_probs)
+            draft.sequence.outstanding = _Drafted(tree, tuple(assumed), draft.forwarded_nodes)
+            proposals.append(self._proposal(draft))
+        return proposals
 
-    def _grow(self, draft: _Draft, logits: torch.Tensor, last_level: bool) -> None:
+    def _pending(self, sequence: _Sequence) -> list[int]:
+        """The text after the runner's committed KV: the next forward's first input (never empty)."""
+        return sequence.text[self.runner.length(sequence.runner_seq) :]
+
+    def _grow(self, draft: _Draft, logits: torch.Tensor) -> None:
         """Add one level of children under the frontier; ``logits`` [1 + N, V] from the forward.
 
         The most probable frontier nodes (by draft path probability) are expanded first, so the
         node budget goes where acceptance is likeliest.
         """
         sequence = draft.sequence
+        config = sequence.config
         expand = sorted(draft.frontier, key=lambda node: -self._path_prob(draft, node))
         node_logits = logits[[node + 1 for node in expand]]  # [F, V]
-        rows = logits_to_probs(node_logits, sequence.params.with_top_k_cap(self.config.draft_top_k))
+        rows = logits_to_probs(node_logits, sequence.params.with_top_k_cap(config.draft_top_k))
         ranking = torch.softmax(node_logits.float(), dim=-1) if sequence.params.greedy else rows
         new_frontier = []
         for node, row_logits, q, rank in zip(expand, node_logits, rows, ranking, strict=True):
             room = draft.budget - len(draft.tokens)
             if room <= 0:
                 break
-            for token in self._children(row_logits, q, min(self.config.tree_width, room), sequence):
+            for token in self._children(row_logits, q, min(config.tree_width, room), sequence):
                 draft.tokens.append(token)
                 draft.parents.append(node)
                 draft.rows.append(q)
                 draft.path_probs.append(self._path_prob(draft, node) * float(rank[token]))
                 new_frontier.append(len(draft.tokens) - 1)
-        draft.frontier = [] if last_level else new_frontier
+        draft.frontier = new_frontier
 
     @staticmethod
     def _path_prob(draft: _Draft, node: int) -> float:
         return 1.0 if node == ROOT else draft.path_probs[node]
 
-    def _children(self, row_logits: torch.Tensor, q: torch.Tensor, count: int, sequence: _Sequence) -> list[int]:
+    @staticmethod
+    def _children(row_logits: torch.Tensor, q: torch.Tensor, count: int, sequence: _Sequence) -> list[int]:
         """``count`` children of one node; ``row_logits``, ``q``: [V].
 
         Greedy: the top-``count`` draft tokens (deterministic children are lossless only under
-        greedy, DESIGN §3). Sampling: drawn from ``q`` by the configured tree scheme.
+        greedy, DESIGN §3). Sampling: drawn from ``q`` by the sequence's tree scheme.
         """
         if sequence.params.greedy:
             return torch.topk(row_logits, count).indices.tolist()
-        if self.config.tree_sampling == "without_replacement":
+        if sequence.config.tree_sampling == "without_replacement":
             count = min(count, int((q > 0).sum()))
             return torch.multinomial(q, count, replacement=False, generator=sequence.generator).tolist()
         return torch.multinomial(q, count, replacement=True, generator=sequence.generator).tolist()
 
-    def _proposal(self, draft: _Draft) -> Proposal:
+    @staticmethod
+    def _proposal(draft: _Draft) -> Proposal:
         if draft.sequence.params.greedy:
             return Proposal(draft.tree, None)
         probs = torch.stack(draft.rows) if draft.rows else None
-        return Proposal(draft.tree, probs, self.config.tree_sampling)
+        return Proposal(draft.tree, probs, draft.sequence.config.tree_sampling)
 
-    def commit(self, handle: int, accepted_path: list[int], emitted: list[int]) -> None:
-        sequence = self._sequences[handle]
-        if sequence.forwarded_nodes is None:
-            sequence.pending = sequence.pending + list(emitted)
-            return
-        in_cache = [node for node in accepted_path if node < sequence.forwarded_nodes]
-        self.runner.commit(sequence.runner_seq, len(sequence.pending), in_cache)
-        sequence.pending = list(emitted[len(in_cache) :])
-        sequence.forwarded_nodes = None
+    def _start(
+        self, prompt: list[int], params: SamplingParams, generator: torch.Generator, config: DraftConfig
+    ) -> _Sequence:
+        """Open a runner sequence and prefill all but the last prompt token (each round recomputes only that)."""
+        if len(prompt) > self.runner.max_seq_len:
+            raise InvalidArgumentError(
+                "prompt", f"{len(prompt)} tokens exceed the draft model's context of {self.runner.max_seq_len}"
+            )
+        runner_seq = self.runner.open()
+        try:
+            if len(prompt) > 1:
+                self.runner.forward([ForwardItem(runner_seq, prompt[:-1])])
+                self.runner.commit(runner_seq, len(prompt) - 1)
+        except BaseException:
+            self.runner.close(runner_seq)
+            raise
+        return _Sequence(text=prompt, config=config, runner_seq=runner_seq, params=params, generator=generator)
 
-    def close(self, handle: int) -> None:
-        sequence = self._sequences.pop(handle, None)
-        if sequence is not None:
-            self.runner.close(sequence.runner_seq)
+    def _resync(self, state: _Sequence, text: list[int], path: list[int] | None) -> None:
+        drafted, state.outstanding = state.outstanding, None
+        seq, old = state.runner_seq, state.text
+        if isinstance(drafted, _Drafted) and drafted.forwarded_nodes is not None and text[: len(old)] == old:
+            # the text extends the one the proposal hangs off: keep the last forward's pending and accepted nodes
+            path = match_path(drafted.tree, text[len(old) :]) if path is None else path
+            in_cache = [node for node in path if node < drafted.forwarded_nodes]  # ancestors first: a prefix
+            self.runner.commit(seq, len(old) - self.runner.length(seq), in_cache)
+            agree = len(text)  # the committed KV now holds a prefix of the new text
+        else:
+            agree = common_prefix_length(old, text)  # the committed KV holds a prefix of the old text
+        length = self.runner.length(seq)
+        keep = min(length, agree, len(text) - 1)  # the last token stays pending: the next forward's input
+        if keep < length:
+            self.runner.truncate(seq, keep)
+        state.text = text
 
-    @property
-    def num_open(self) -> int:
-        return len(self._sequences)
+    def _release(self, state: _Sequence) -> None:
+        self.runner.close(state.runner_seq)

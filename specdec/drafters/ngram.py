@@ -6,12 +6,9 @@ probability ``p(x)`` and draws a correction from ``p`` with ``x`` removed.
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-
 import torch
 
-from specdec.drafters.base import DraftConfig, Proposal
+from specdec.drafters.base import DraftConfig, Outstanding, Proposal, SequenceDrafter, SequenceState
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
@@ -31,41 +28,33 @@ def lookup_continuation(tokens: list[int], max_ngram: int, min_ngram: int, max_t
     return []
 
 
-@dataclass
-class _Sequence:
-    tokens: list[int] = field(default_factory=list)
+class NgramDrafter(SequenceDrafter[SequenceState]):
+    """Model-free chains from n-gram matches over the text (prompt + committed + assumed).
 
+    The text is the whole state, so commit, assume and rollback only rewrite it.
+    """
 
-class NgramDrafter:
-    """Model-free chains from n-gram matches over prompt + output."""
-
-    def __init__(self, config: DraftConfig, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        self.config = config
+    def __init__(
+        self, config: DraftConfig, max_ngram: int = 3, min_ngram: int = 1, *, vocab_size: int | None = None
+    ) -> None:
+        super().__init__(config, vocab_size)
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self._sequences: dict[int, _Sequence] = {}
-        self._handles = itertools.count()
-
-    def open(self, prompt: list[int], params: SamplingParams, generator: torch.Generator) -> int:
-        handle = next(self._handles)
-        self._sequences[handle] = _Sequence(list(prompt))
-        return handle
 
     def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
         proposals = []
-        for handle, budget in zip(handles, max_tokens, strict=True):
-            limit = min(budget, self.config.num_draft_tokens)
-            tokens = self._sequences[handle].tokens
-            draft = lookup_continuation(tokens, self.max_ngram, self.min_ngram, limit) if limit > 0 else []
-            proposals.append(Proposal(TokenTree.chain(draft), None))
+        for state, budget in zip(self._sequences_for(handles, max_tokens), max_tokens, strict=True):
+            limit = min(budget, state.config.num_draft_tokens)
+            draft = lookup_continuation(state.text, self.max_ngram, self.min_ngram, limit) if limit > 0 else []
+            tree = TokenTree.chain(draft)
+            state.outstanding = Outstanding(tree, tuple(range(len(tree))))
+            proposals.append(Proposal(tree, None))
         return proposals
 
-    def commit(self, handle: int, accepted_path: list[int], emitted: list[int]) -> None:
-        self._sequences[handle].tokens.extend(emitted)
+    def _start(
+        self, prompt: list[int], params: SamplingParams, generator: torch.Generator, config: DraftConfig
+    ) -> SequenceState:
+        return SequenceState(text=prompt, config=config)
 
-    def close(self, handle: int) -> None:
-        self._sequences.pop(handle, None)
-
-    @property
-    def num_open(self) -> int:
-        return len(self._sequences)
+    def _resync(self, state: SequenceState, text: list[int], path: list[int] | None) -> None:
+        state.text, state.outstanding = text, None

@@ -1,0 +1,44 @@
+"""``python -m drafter_service``: serve a drafter until SIGTERM / SIGINT.
+
+Prints one JSON line, ``{"address": "HOST:PORT", "kind": KIND}``, on stdout once it serves; logs go to
+stderr. Exit status 0 after a graceful stop, 2 when the configuration or a model is bad.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from drafter_service.config import DrafterConfig
+from drafter_service.server import start_drafter
+from specdec.errors import SpecdecError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = DrafterConfig.from_args(argv)
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        running = start_drafter(config)
+    except (SpecdecError, ValueError) as error:  # a bad flag, env value or model
+        print(f"drafter_service: {error}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    print(json.dumps({"address": running.address, "kind": config.kind}), flush=True)
+    stop.wait()
+    logging.getLogger(__name__).info("stopping (grace %.1fs)", config.grace_s)
+    running.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The drafter service's one frozen config, built once from the command line over ``SPECDEC_DRAFTER_*`` env vars."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from specdec.drafters import DraftConfig
+from specdec.errors import InvalidArgumentError
+
+SERVED_KINDS: tuple[str, ...] = ("ngram", "model", "early-exit")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+ENV_PREFIX = "SPECDEC_DRAFTER_"
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Everything a drafter process needs; every field is also ``--field-name`` and ``SPECDEC_DRAFTER_FIELD_NAME``.
+
+    ``target`` is the model the proposals are for: early exit drafts with its first ``early_exit_layers``
+    layers (default a quarter), the other kinds use its vocabulary to validate token ids (and the model
+    drafter checks that ``draft_model`` shares it). ``draft_top_k`` truncates ``q`` so it travels exactly
+    as a sparse row (DESIGN §5). ``num_draft_tokens`` is the default γ when a sequence asks for 0.
+    ``max_batch_size`` caps the Propose calls one drafter call answers; the scheduler waits up to
+    ``batch_wait_ms`` after the first for more (0: takes what is queued). ``max_open_sequences`` bounds
+    state: beyond it OpenSequence answers RESOURCE_EXHAUSTED.
+    """
+
+    kind: str
+    target: str = "smollm2-135m"
+    draft_model: str | None = None
+    early_exit_layers: int | None = None
+    draft_top_k: int = 20
+    num_draft_tokens: int = 4
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_batch_size: int = 64
+    batch_wait_ms: float = 0.0
+    max_open_sequences: int = 4096
+    max_workers: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    torch_threads: int = 0
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in SERVED_KINDS:
+            raise InvalidArgumentError("kind", f"must be one of {', '.join(SERVED_KINDS)}, got {self.kind!r}")
+        if self.kind == "model" and not self.draft_model:
+            raise InvalidArgumentError("draft_model", "the model drafter needs --draft-model")
+        if self.early_exit_layers is not None and self.early_exit_layers < 1:
+            raise InvalidArgumentError("early_exit_layers", f"must be >= 1, got {self.early_exit_layers}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgumentError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.port < 65536:
+            raise InvalidArgumentError("port", f"must be in [0, 65536), got {self.port}")
+        for name in ("max_batch_size", "max_open_sequences", "max_workers"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("batch_wait_ms", "torch_threads", "grace_s"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
+        self.draft_config()  # validates num_draft_tokens and draft_top_k
+
+    def draft_config(self) -> DraftConfig:
+        """The default candidate shape (a chain of ``num_draft_tokens``); sequences may ask for their own."""
+        return DraftConfig(num_draft_tokens=self.num_draft_tokens, draft_top_k=self.draft_top_k)
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> DrafterConfig:
+        """Parse ``argv`` (default ``sys.argv[1:]``); unset flags fall back to ``SPECDEC_DRAFTER_*``, then defaults."""
+        environ = os.environ if environ is None else environ
+        defaults = {field.name: field.default for field in fields(cls)}
+        parser = argparse.ArgumentParser(prog="python -m drafter_service", description=__doc__)
+
+        def option(name: str, cast: Callable[[str], Any], help_text: str, **extra: Any) -> None:
+            env_name = ENV_PREFIX + name.upper()
+            default = cast(environ[env_name]) if env_name in environ else defaults.get(name)
+            required = name == "kind" and default is None
+            parser.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                type=cast,
+                default=default,
+                required=required,
+                help=f"{help_text} (env {env_name})",
+                **extra,
+            )
+
+        option("kind", str, "drafter kind", choices=SERVED_KINDS)
+        option("target", str, "target model: alias, GGUF file, local directory or hub id")
+        option("draft_model", str, "draft model for --kind model (same tokenizer as the target)")
+        option("early_exit_layers", int, "target layers the early-exit drafter runs (default: a quarter)")
+        option("draft_top_k", int, "the drafter's own top-k truncation of q (0: none)")
+        option("num_draft_tokens", int, "default chain length / tree depth")
+        option("host", str, "address to listen on")
+        option("port", int, "port to listen on (0: any free port)")
+        option("max_batch_size", int, "most Propose calls answered by one drafter call")
+        option("batch_wait_ms", float, "how long to wait for more Propose calls after the first")
+        option("max_open_sequences", int, "open sequences before OpenSequence answers RESOURCE_EXHAUSTED")
+        option("max_workers", int, "gRPC handler threads")
+        option("device", str, "torch device of the model")
+        option("dtype", str, "model precision", choices=DTYPES)
+        option("torch_threads", int, "torch intra-op threads (0: torch's default)")
+        option("grace_s", float, "seconds in-flight calls get to finish on SIGTERM")
+        return cls(**vars(parser.parse_args(argv)))

@@ -1,0 +1,103 @@
+"""Drafter process wiring: models → core drafter → scheduler thread → gRPC server with health."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc
+
+from drafter_service.config import DrafterConfig
+from drafter_service.scheduler import DraftScheduler
+from drafter_service.servicer import DrafterServicer
+from grpc_common.server import RunningServer, start_server
+from specdec.drafters import Drafter, build_drafter, default_early_exit_layers
+from specdec.models import LoadedModel, load_model
+
+LOG = logging.getLogger(__name__)
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # "specdec.v1.Drafter"
+
+
+@dataclass
+class RunningDrafter:
+    """A serving drafter: ``address`` to dial, ``stop()`` to drain and free everything."""
+
+    server: RunningServer
+    scheduler: DraftScheduler
+    config: DrafterConfig
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Health NOT_SERVING, let in-flight calls finish for ``grace_s`` (default: the config's), close sequences."""
+        self.server.stop(self.config.grace_s if grace_s is None else grace_s)
+        self.scheduler.stop()
+
+    def __enter__(self) -> RunningDrafter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def build_core_drafter(
+    config: DrafterConfig, *, target: LoadedModel | None = None, draft: LoadedModel | None = None
+) -> Drafter:
+    """The core drafter ``config`` describes, from ``target`` / ``draft`` when given, else loaded by name.
+
+    An early-exit drafter that loaded the target itself keeps only the layers it runs (plus embeddings,
+    final norm and head); a target passed in is shared, never modified.
+    """
+    dtype = getattr(torch, config.dtype)
+    owned = target is None
+    if target is None:
+        target = load_model(config.target, dtype=dtype, device=config.device)
+    if config.kind == "model" and draft is None:
+        draft = load_model(config.draft_model, dtype=dtype, device=config.device)
+    drafter = build_drafter(
+        config.kind,
+        target,
+        config.draft_config(),
+        draft_model=draft,
+        early_exit_layers=config.early_exit_layers,
+    )
+    if owned and config.kind == "early-exit":
+        keep = config.early_exit_layers or default_early_exit_layers(target)
+        del target.model.model.layers[keep:]  # the runner holds the first `keep`; free the rest
+        LOG.info("early exit: kept %d of the target's layers", keep)
+    return drafter
+
+
+def start_drafter(
+    config: DrafterConfig, *, target: LoadedModel | None = None, draft: LoadedModel | None = None
+) -> RunningDrafter:
+    """Build the drafter, start its scheduler thread and serve it on ``config.host:config.port``.
+
+    ``target`` / ``draft`` let tests and co-located deployments share models already in memory.
+    """
+    drafter = build_core_drafter(config, target=target, draft=draft)
+    scheduler = DraftScheduler(
+        drafter,
+        max_batch_size=config.max_batch_size,
+        batch_wait_s=config.batch_wait_ms / 1000,
+        max_open_sequences=config.max_open_sequences,
+    )
+    scheduler.start()
+    servicer = DrafterServicer(scheduler, config.kind, config.draft_config())
+    try:
+        server = start_server(
+            lambda grpc_server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, grpc_server),
+            [SERVICE_NAME],
+            host=config.host,
+            port=config.port,
+            max_workers=config.max_workers,
+        )
+    except BaseException:
+        scheduler.stop()
+        raise
+    LOG.info("%s drafter for %s serving on %s", config.kind, config.target, server.address)
+    return RunningDrafter(server, scheduler, config)
