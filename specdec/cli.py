@@ -1,15 +1,18 @@
-"""``specdec`` command line: ``specdec generate PROMPT`` runs the co-located engine."""
+"""``specdec`` command line: ``specdec generate PROMPT`` runs the co-located engine, or with ``--router HOST:PORT``
+sends the request to a router through the client SDK (:mod:`specdec.client`); both print the same ``--json``
+object. The SDK, and with it gRPC, is imported only for ``--router``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from transformers.utils import logging as transformers_logging
 
 from specdec.drafters import DRAFTER_KINDS, DraftConfig, build_drafter
-from specdec.engine import Engine, GenerationRequest, GenerationResult
+from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
 from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
@@ -20,11 +23,11 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate a continuation of PROMPT")
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, local directory or hub id")
-    parser.add_argument("--drafter", choices=DRAFTER_KINDS, default="ngram")
+    parser.add_argument("--drafter", choices=DRAFTER_KINDS, help="default: ngram (with --router: the router's)")
     parser.add_argument("--draft-model", help="draft model for --drafter model (same tokenizer as the target)")
     parser.add_argument("--early-exit-layers", type=int, help="target layers the early-exit drafter uses")
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="chain length γ, or tree depth")
-    parser.add_argument("--tree-width", type=int, default=1, help="children per expanded node (1: chain)")
+    parser.add_argument("--num-draft-tokens", type=int, help="chain length γ, or tree depth (default 4 / router's)")
+    parser.add_argument("--tree-width", type=int, help="children per expanded node (default 1: chain)")
     parser.add_argument("--tree-budget", type=int, default=0, help="max tree nodes (0: width × depth)")
     parser.add_argument("--tree-sampling", choices=("iid", "without_replacement"), default="without_replacement")
     parser.add_argument("--draft-top-k", type=int, default=20, help="drafter's own truncation of q")
@@ -37,11 +40,19 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     parser.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    remote = parser.add_argument_group("through a router (--router)")
+    remote.add_argument("--router", metavar="HOST:PORT", help="generate on a router instead of in this process")
+    remote.add_argument("--speculation", choices=("off", "sequential", "pipelined"), help="default: the router's")
+    remote.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
+    remote.add_argument("--timeout", type=float, default=120.0, help="deadline of the request, in seconds")
+    remote.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
 
 
 def encode_prompt(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
     """Token ids of ``prompt``, optionally through the tokenizer's chat template."""
     tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise InvalidArgumentError("target", f"{target.name!r} has no tokenizer to turn the prompt text into ids")
     if chat:
         return list(
             tokenizer.apply_chat_template(
@@ -74,20 +85,24 @@ def result_json(text: str, result: GenerationResult) -> dict:
 
 def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
-    config = DraftConfig(
-        num_draft_tokens=args.num_draft_tokens,
-        tree_width=args.tree_width,
-        tree_budget=args.tree_budget,
-        draft_top_k=args.draft_top_k,
-        tree_sampling=args.tree_sampling,
-    )
     if not args.prompt:
         raise InvalidArgumentError("prompt", "must not be empty")
     if args.max_tokens <= 0:
         raise InvalidArgumentError("max_tokens", f"must be >= 1, got {args.max_tokens}")
+    if args.router:
+        return _run_on_router(args)
+    if args.stop or args.speculation:
+        raise InvalidArgumentError("stop" if args.stop else "speculation", "is only supported with --router")
+    config = DraftConfig(
+        num_draft_tokens=4 if args.num_draft_tokens is None else args.num_draft_tokens,
+        tree_width=1 if args.tree_width is None else args.tree_width,
+        tree_budget=args.tree_budget,
+        draft_top_k=args.draft_top_k,
+        tree_sampling=args.tree_sampling,
+    )
     target = load_model(args.target)
     drafter = build_drafter(
-        args.drafter, target, config, draft_model=args.draft_model, early_exit_layers=args.early_exit_layers
+        args.drafter or "ngram", target, config, draft_model=args.draft_model, early_exit_layers=args.early_exit_layers
     )
     engine = Engine(KVRunner(target.model), target.eos_token_ids, drafter)
     request = GenerationRequest(
@@ -95,16 +110,85 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     [result] = engine.generate([request])
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    _print_result(args, text, result, result_json(text, result))
+    return 0
+
+
+def _print_result(args: argparse.Namespace, text: str, result: GenerationResult, as_json: dict) -> None:
     if args.json:
-        print(json.dumps(result_json(text, result)))
-    else:
-        print(text)
-        stats = result.stats
-        print(
-            f"[{result.finish_reason}] {len(result.token_ids)} tokens in {stats.rounds} rounds, "
-            f"mean accepted length {stats.mean_accepted_length:.2f}, {result.tokens_per_s:.1f} tokens/s",
-            file=sys.stderr,
-        )
+        print(json.dumps(as_json))
+        return
+    print(text)
+    stats = result.stats
+    print(
+        f"[{result.finish_reason}] {len(result.token_ids)} tokens in {stats.rounds} rounds, "
+        f"mean accepted length {stats.mean_accepted_length:.2f}, {result.tokens_per_s:.1f} tokens/s",
+        file=sys.stderr,
+    )
+
+
+def _run_on_router(args: argparse.Namespace) -> int:
+    """``--router``: the same request through the SDK; the ``--json`` object adds the pipeline counters.
+
+    The bearer token, if the router requires one, comes from the ``SPECDEC_BEARER_TOKEN`` environment variable.
+    """
+    from specdec.client import Client, ClientError, GenerateOptions, InvalidArgument, Unauthenticated
+
+    options: GenerateOptions = {
+        "chat": args.chat,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos,
+        "tree_budget": args.tree_budget,
+    }
+    optional = {
+        "seed": args.seed,
+        "speculation": args.speculation,
+        "drafter": args.drafter,
+        "num_draft_tokens": args.num_draft_tokens,
+        "tree_width": args.tree_width,
+    }
+    options.update({key: value for key, value in optional.items() if value is not None})  # type: ignore[typeddict-item]
+    token = os.environ.get("SPECDEC_BEARER_TOKEN") or None
+    try:
+        with Client(args.router, timeout_s=args.timeout, tls=args.tls, bearer_token=token) as client:
+            remote = client.generate(args.prompt, **options)
+    except (InvalidArgument, Unauthenticated) as error:
+        raise InvalidArgumentError("request", error.details) from None
+    except ClientError as error:
+        print(f"specdec: error: router {args.router}: {error}", file=sys.stderr)
+        return 1
+    stats = remote.stats
+    result = GenerationResult(
+        remote.token_ids,
+        remote.finish_reason,
+        SpecStats(
+            rounds=stats.rounds,
+            draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens,
+            accepted_per_position=stats.accepted_per_position,
+            draft_s=stats.draft_s,
+            verify_s=stats.verify_s,
+            state_s=stats.state_s,
+        ),
+        remote.elapsed_s,
+    )
+    as_json = result_json(remote.text, result)
+    as_json["stats"].update(
+        pipeline_hits=stats.pipeline_hits,
+        pipeline_misses=stats.pipeline_misses,
+        wire_bytes=stats.wire_bytes,
+        drafter_fallback=stats.drafter_fallback,
+    )
+    as_json["usage"] = {
+        "prompt_tokens": remote.usage.prompt_tokens,
+        "completion_tokens": remote.usage.completion_tokens,
+    }
+    _print_result(args, remote.text, result, as_json)
     return 0
 
 

@@ -1,0 +1,85 @@
+"""What the gRPC and HTTP front doors share: validation, admission control, running a request, status.
+
+Both doors decode their wire format into a :class:`~router.requests.GenerateInput`, call :meth:`Frontend.plan`
+(any thread: it tokenizes) and then :meth:`Frontend.generate` on the router's event loop. Admission is a plain
+counter on that loop: a request past ``max_concurrent_requests`` is refused at once with
+:class:`~router.errors.OverloadedError` (RESOURCE_EXHAUSTED / HTTP 429 with a retry hint), never queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from router.config import RouterConfig
+from router.errors import OverloadedError, UnauthenticatedError, WorkerUnavailableError
+from router.pipeline import Emit, Final, Session
+from router.requests import GenerateInput, Plan, plan_request
+from router.text import TextStream
+from router.workers import WorkerPool
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A worker in a status report."""
+
+    role: str
+    address: str
+    healthy: bool
+    outstanding: int
+    kind: str | None
+
+
+class Frontend:
+    """The router's request handling, independent of the wire format."""
+
+    def __init__(self, config: RouterConfig, tokenizer: PreTrainedTokenizerBase | None, pool: WorkerPool) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.running = 0
+        self.draining = False
+        self.background: set[asyncio.Task[Any]] = set()  # sessions' unawaited cleanup, kept alive here
+
+    def authorize(self, authorization: str | None) -> None:
+        """Check an ``Authorization`` header value against the configured bearer token (if any)."""
+        expected = self.config.bearer_token
+        if expected is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+            raise UnauthenticatedError("a valid 'authorization: Bearer <token>' is required")
+
+    def plan(self, request: GenerateInput, *, default_max_tokens: int | None = None) -> Plan:
+        """Validate and tokenize ``request`` (raises InvalidArgumentError naming the field)."""
+        return plan_request(
+            request, self.config, self.tokenizer, self.pool.drafter_kinds(), default_max_tokens=default_max_tokens
+        )
+
+    async def generate(self, plan: Plan, emit: Emit) -> Final:
+        """Run ``plan`` (on the router's loop), streaming chunks through ``emit``; admission first."""
+        if self.draining:
+            raise WorkerUnavailableError("router", "UNAVAILABLE", "the router is shutting down")
+        if self.running >= self.config.max_concurrent_requests:
+            raise OverloadedError(self.running, self.config.retry_after_s)
+        self.running += 1
+        try:
+            text = TextStream(self.tokenizer, plan.prompt_ids, plan.stop) if self.tokenizer is not None else None
+            session = Session(
+                plan, self.pool, emit, sequence_id=f"r-{uuid.uuid4().hex}", text=text, background=self.background
+            )
+            return await session.run()
+        finally:
+            self.running -= 1
+
+    def ready(self) -> bool:
+        """Serving: not shutting down and at least one verifier healthy."""
+        return not self.draining and self.pool.any_verifier_healthy()
+
+    def workers(self) -> list[WorkerView]:
+        return [WorkerView(w.role, w.address, w.healthy, w.outstanding, w.kind) for w in self.pool.workers()]

@@ -1,0 +1,491 @@
+"""The per-request round loop over a remote drafter and verifier, sequential or pipelined (DESIGN §4).
+
+One :class:`Session` runs one request. Workers sit behind the small :class:`DrafterClient`,
+:class:`VerifierClient` and :class:`Placement` interfaces (gRPC implementations in :mod:`router.workers`),
+so the loop is tested with in-memory fakes.
+
+A round, **sequential**: ``drafter.Propose`` → ``verifier.Verify(proposal)`` → stream the emitted tokens →
+``drafter.Commit(base_length, emitted)`` (sent lazily, just before the drafter is next needed).
+
+**Pipelined** (chains only): right after sending ``Verify`` for chain k with ``defer_bonus``, the drafter is
+asked to ``Propose(assume_previous_accepted)`` chain k+1 concurrently. When the verdict comes back:
+
+* ``bonus_deferred`` (all of chain k accepted; the verifier kept ``p(γ+1)`` instead of drawing a bonus): a
+  **pipeline hit**. Chain k+1 goes to the verifier at once, its first token verified against the kept row;
+  the drafter is told ``Commit(base_length, chain k)`` (confirming what it assumed) while that verification
+  runs, then drafts chain k+2 the same way.
+* otherwise a **pipeline miss**: chain k+1 is thrown away, and ``Commit`` of the verdict rolls the drafter
+  back to the committed prefix before it drafts afresh.
+
+Every emitted token comes from the verifier's rule, so pipelining never changes the output distribution.
+
+Failures (DESIGN §9): any drafter error or deadline drops the drafter for the rest of the request
+(``drafter_fallback``; target-only rounds, still exact). A verifier that fails is reported to placement and the
+request is re-placed on another verifier with a re-prefill of prompt + output (the drafter is reopened on the
+same text); with no other verifier the error escapes and the client gets UNAVAILABLE. Cancellation (client gone)
+waits for calls in flight, then closes the sequence on both workers, all within a round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from router.errors import NoWorkerError, WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
+from router.requests import DraftShape, Plan
+from router.text import TextStream
+from specdec.sampling import SamplingParams
+from specdec.tree import TokenTree
+
+LOG = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """What opening a sequence on a worker needs (the prompt is the committed text so far)."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    ignore_eos: bool
+    logprobs: bool
+    shape: DraftShape
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """One proposal from a drafter. ``payload`` is its encoded form, handed to the verifier unchanged."""
+
+    tree: TokenTree
+    payload: object
+    draft_ns: int
+    wire_bytes: int
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One verdict: accepted node indices, emitted tokens (accepted + recovered/bonus, no bonus if deferred)."""
+
+    accepted_path: tuple[int, ...]
+    emitted: tuple[int, ...]
+    finished: bool
+    bonus_deferred: bool
+    logprobs: tuple[float, ...]
+    verify_ns: int
+    state_ns: int
+
+
+class DrafterClient(Protocol):
+    """A drafter worker, one call per method, each with its own deadline; failures raise WorkerError."""
+
+    address: str
+
+    async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None: ...
+
+    async def propose(self, sequence_id: str, max_tokens: int, *, assume_previous_accepted: bool) -> Drafted: ...
+
+    async def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None: ...
+
+    async def close(self, sequence_id: str) -> None: ...
+
+
+class VerifierClient(Protocol):
+    """A verifier worker; failures raise WorkerError."""
+
+    address: str
+
+    async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None: ...
+
+    async def verify(self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool) -> Verified: ...
+
+    async def close(self, sequence_id: str) -> None: ...
+
+
+class Placement(Protocol):
+    """Chooses workers (least outstanding work first) and hears about failures."""
+
+    def acquire_verifier(self, exclude: Collection[str]) -> VerifierClient | None:
+        """A healthy verifier not in ``exclude`` (addresses), counted as busy until released; None if none."""
+        ...
+
+    def acquire_drafter(self, kind: str | None, exclude: Collection[str]) -> DrafterClient | None:
+        """A healthy drafter of ``kind`` (None: any), counted as busy until released; None if none."""
+        ...
+
+    def release(self, worker: DrafterClient | VerifierClient) -> None:
+        """The request no longer uses ``worker``."""
+        ...
+
+    def report_failure(self, worker: DrafterClient | VerifierClient, error: WorkerError) -> None:
+        """``worker`` failed a call; placement may stop choosing it until it is healthy again."""
+        ...
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens committed by one round, the text they complete and (if asked) their log-probabilities."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] = ()
+
+
+@dataclass
+class RequestStats:
+    """Speculation counters of one request (DESIGN §7); ``draft_ns`` and ``wire_bytes`` include discarded chains."""
+
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_ns: int = 0
+    verify_ns: int = 0
+    state_ns: int = 0
+    pipeline_hits: int = 0
+    pipeline_misses: int = 0
+    wire_bytes: int = 0
+    drafter_fallback: bool = False
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """1 + accepted / rounds (DESIGN §7)."""
+        return 1 + self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+    def count_drafted(self, drafted: Drafted) -> None:
+        self.draft_ns += drafted.draft_ns
+        self.wire_bytes += drafted.wire_bytes
+
+    def count_round(self, drafted: Drafted | None, verified: Verified) -> None:
+        self.rounds += 1
+        self.draft_tokens += len(drafted.tree) if drafted else 0
+        accepted = len(verified.accepted_path)
+        self.accepted_tokens += accepted
+        self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        for depth in range(accepted):
+            self.accepted_per_position[depth] += 1
+        self.verify_ns += verified.verify_ns
+        self.state_ns += verified.state_ns
+
+
+@dataclass(frozen=True)
+class Final:
+    """How a request ended: ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: RequestStats
+
+
+Emit = Callable[[Chunk], Awaitable[None]]
+
+
+def derive_seed(seed: int, role: str, attempt: int = 0) -> int:
+    """A 64-bit seed for one worker's random numbers, derived from the request seed; distinct per role.
+
+    Deterministic: the same request seed gives the same verifier and drafter seeds.
+    """
+    digest = hashlib.blake2b(f"{seed}/{role}/{attempt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class Session:
+    """Runs one :class:`Plan` to completion on workers chosen by ``placement``, streaming through ``emit``.
+
+    ``text`` detokenizes and applies stop strings (None: token ids only, no text). Closes that nobody waits for
+    (of a failed worker's sequence, or cleanup after a second cancellation) are kept in ``background``, which the
+    owner keeps alive longer than the session. Use :meth:`run` once.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        placement: Placement,
+        emit: Emit,
+        *,
+        sequence_id: str,
+        text: TextStream | None = None,
+        background: set[asyncio.Task[Any]] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.placement = placement
+        self.emit = emit
+        self.text = text
+        self.stats = RequestStats()
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self.verifier: VerifierClient | None = None
+        self.drafter: DrafterClient | None = None
+        self._base_id = sequence_id
+        self._attempt = 0
+        self._failed_verifiers: set[str] = set()
+        self._predrafted: Drafted | None = None  # chain k+1 after a pipeline hit, verified next round
+        self._pending_commit: tuple[int, tuple[int, ...]] | None = None  # (base_length, emitted) not yet told
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._background = background if background is not None else set()
+
+    @property
+    def sequence_id(self) -> str:
+        """The id of the sequence on both workers (a new one after each re-placement)."""
+        return self._base_id if self._attempt == 0 else f"{self._base_id}.{self._attempt}"
+
+    @property
+    def remaining(self) -> int:
+        return self.plan.max_tokens - len(self.generated)
+
+    async def run(self) -> Final:
+        """Generate; returns how it ended. Worker failures other than the drafter's escape as WorkerError."""
+        try:
+            await self._open()
+            while self.finish_reason is None:
+                await self._round()
+        finally:
+            cleanup = asyncio.ensure_future(self._shutdown())
+            try:
+                await asyncio.shield(cleanup)
+            except asyncio.CancelledError:
+                if not cleanup.done():  # cancelled again while cleaning up: let cleanup finish on its own
+                    self._keep(cleanup)
+                raise
+        return Final(self.finish_reason or "length", len(self.plan.prompt_ids), len(self.generated), self.stats)
+
+    # --- opening and closing ------------------------------------------------------------------------------
+
+    def _spec(self) -> SequenceSpec:
+        plan = self.plan
+        prompt = plan.prompt_ids + tuple(self.generated)
+        return SequenceSpec(prompt, plan.sampling, self.remaining, plan.ignore_eos, plan.logprobs, plan.shape)
+
+    async def _open(self) -> None:
+        """Open on a verifier (required) and a drafter (optional) at once."""
+        opening = [self._spawn(self._open_verifier())]
+        if self.plan.mode != "off":
+            opening.append(self._spawn(self._open_drafter()))
+        await asyncio.gather(*(asyncio.shield(task) for task in opening))
+
+    async def _open_verifier(self) -> None:
+        """Try verifiers (least loaded first) until one opens; a refusal of the arguments fails at once."""
+        spec, last_error = self._spec(), None
+        while (verifier := self.placement.acquire_verifier(self._failed_verifiers)) is not None:
+            try:
+                await verifier.open(self.sequence_id, spec, derive_seed(self.plan.seed, "verifier", self._attempt))
+            except WorkerRejectedError:
+                self._close_in_background(verifier, self.sequence_id)
+                raise
+            except WorkerError as error:
+                self._failed_verifiers.add(verifier.address)
+                self.placement.report_failure(verifier, error)
+                self._close_in_background(verifier, self.sequence_id)  # a late open must not leak
+                last_error = error
+                continue
+            self.verifier = verifier
+            return
+        if last_error is not None:
+            raise last_error
+        raise NoWorkerError("no healthy verifier is available")
+
+    async def _open_drafter(self) -> None:
+        drafter = self.placement.acquire_drafter(self.plan.drafter_kind, ())
+        if drafter is None:
+            self.stats.drafter_fallback = True
+            return
+        try:
+            await drafter.open(self.sequence_id, self._spec(), derive_seed(self.plan.seed, "drafter", self._attempt))
+        except WorkerError as error:
+            self._note_drafter_failure(drafter, error)
+            self._close_in_background(drafter, self.sequence_id)
+            return
+        self.drafter = drafter
+
+    async def _shutdown(self) -> None:
+        """Let calls in flight finish (each has a deadline), then close the sequence on both workers."""
+        if self._inflight:
+            await asyncio.wait(list(self._inflight))
+        workers = [worker for worker in (self.verifier, self.drafter) if worker is not None]
+        self.verifier = self.drafter = None
+        await asyncio.gather(*(self._close(worker) for worker in workers))
+
+    async def _close(self, worker: DrafterClient | VerifierClient) -> None:
+        try:
+            await worker.close(self.sequence_id)
+        except WorkerError as error:
+            LOG.info("closing %s on %s failed: %s", self.sequence_id, worker.address, error)
+        finally:
+            self.placement.release(worker)
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """A worker call as a task that cleanup waits for, even when the request is cancelled meanwhile."""
+        task = asyncio.ensure_future(coroutine)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return task
+
+    # --- the drafter side ---------------------------------------------------------------------------------
+
+    def _note_drafter_failure(self, drafter: DrafterClient, error: WorkerError) -> None:
+        LOG.warning("drafter %s failed (%s); request %s continues target-only", drafter.address, error, self._base_id)
+        self.stats.drafter_fallback = True
+        if not isinstance(error, WorkerRejectedError):
+            self.placement.report_failure(drafter, error)
+
+    def _drop_drafter(self, error: WorkerError) -> None:
+        """Continue target-only: forget the drafter (closed in the background) and anything it drafted."""
+        drafter, self.drafter = self.drafter, None
+        self._predrafted, self._pending_commit = None, None
+        if drafter is not None:
+            self._note_drafter_failure(drafter, error)
+            self._close_in_background(drafter, self.sequence_id)
+
+    async def _drafter_call(self, call: Callable[[DrafterClient], Awaitable[T]]) -> T | None:
+        """``call`` on the current drafter; None (and the drafter dropped) if there is none or it fails."""
+        if self.drafter is None:
+            return None
+        try:
+            return await call(self.drafter)
+        except WorkerError as error:
+            self._drop_drafter(error)
+            return None
+
+    async def _flush_commit(self) -> None:
+        """Tell the drafter the last verdict, if it has not heard it yet."""
+        if self._pending_commit is None:
+            return
+        base_length, emitted = self._pending_commit
+        self._pending_commit = None
+        await self._drafter_call(lambda drafter: drafter.commit(self.sequence_id, base_length, emitted))
+
+    async def _propose(self, budget: int, *, assume_previous_accepted: bool) -> Drafted | None:
+        drafted = await self._drafter_call(
+            lambda drafter: drafter.propose(self.sequence_id, budget, assume_previous_accepted=assume_previous_accepted)
+        )
+        if drafted is not None:
+            self.stats.count_drafted(drafted)
+        return drafted
+
+    async def _next_proposal(self) -> Drafted | None:
+        """The proposal to verify this round: the pre-drafted chain after a hit, else a fresh one (or None)."""
+        if self._predrafted is not None:
+            drafted, self._predrafted = self._predrafted, None
+            return drafted
+        await self._flush_commit()
+        if self.drafter is None or self.remaining < 2:  # the round's last token is always the target's
+            return None
+        return await self._propose(self.remaining - 1, assume_previous_accepted=False)
+
+    async def _drafter_side(self, predraft_budget: int | None) -> Drafted | None:
+        """While the verifier works: commit the last verdict, then (pipelining) draft the next chain."""
+        await self._flush_commit()
+        if predraft_budget is None:
+            return None
+        return await self._propose(predraft_budget, assume_previous_accepted=True)
+
+    # --- rounds -------------------------------------------------------------------------------------------
+
+    async def _round(self) -> None:
+        base_length = len(self.plan.prompt_ids) + len(self.generated)
+        drafted = await self._next_proposal()
+        size = len(drafted.tree) if drafted else 0
+        pipelined = (
+            self.plan.mode == "pipelined"
+            and self.drafter is not None
+            and drafted is not None
+            and size > 0
+            and drafted.tree.is_chain
+            and self.remaining - size - 1 >= 1  # room for the next chain; else draw the bonus now
+        )
+        verifier, sequence_id = self.verifier, self.sequence_id
+        assert verifier is not None, "the verifier is opened before any round"
+        verify = self._spawn(verifier.verify(sequence_id, drafted if size else None, defer_bonus=pipelined))
+        drafter_side = None
+        if self.drafter is not None and (pipelined or self._pending_commit is not None):
+            drafter_side = self._spawn(self._drafter_side(self.remaining - size - 1 if pipelined else None))
+        try:
+            verified = await asyncio.shield(verify)
+        except WorkerError as error:
+            if drafter_side is not None:
+                await asyncio.shield(drafter_side)
+            await self._recover(error, verifier, drafted)
+            return
+        if not verified.emitted and not verified.finished:
+            raise WorkerUnavailableError(verifier.address, "INTERNAL", "the verdict emitted no token")
+        self.stats.count_round(drafted if size else None, verified)
+        chunk = self._take(verified)
+        if chunk.token_ids or chunk.text:
+            await self.emit(chunk)
+        predrafted = await asyncio.shield(drafter_side) if drafter_side is not None else None
+        if pipelined:
+            if verified.bonus_deferred:
+                self.stats.pipeline_hits += 1
+                self._predrafted = predrafted
+            else:
+                self.stats.pipeline_misses += 1
+        if self.drafter is not None and self.finish_reason is None:
+            self._pending_commit = (base_length, verified.emitted)
+
+    def _take(self, verified: Verified) -> Chunk:
+        """Account the verdict's tokens (cut at the budget or a stop string); set ``finish_reason`` when done."""
+        tokens = list(verified.emitted[: self.remaining])
+        logprobs = list(verified.logprobs[: len(tokens)]) if self.plan.logprobs else []
+        pieces: list[str] = []
+        stopped = False
+        if self.text is not None:
+            for index, token in enumerate(tokens):
+                pieces.append(self.text.push(token))
+                if self.text.stopped:
+                    stopped = True
+                    tokens, logprobs = tokens[: index + 1], logprobs[: index + 1]
+                    break
+        self.generated.extend(tokens)
+        if stopped:
+            self.finish_reason = "stop"
+        elif verified.finished or self.remaining <= 0:
+            at_eos = bool(self.generated) and self.generated[-1] in self.plan.eos_token_ids
+            self.finish_reason = "stop" if at_eos or self.remaining > 0 else "length"
+            if self.text is not None:
+                pieces.append(self.text.flush())
+        return Chunk(tuple(tokens), "".join(pieces), tuple(logprobs))
+
+    async def _recover(self, error: WorkerError, verifier: VerifierClient, drafted: Drafted | None) -> None:
+        """After a failed Verify: blame the drafter for a refused proposal, else re-place on another verifier."""
+        if isinstance(error, WorkerRejectedError):
+            if drafted is not None and len(drafted.tree) and self.drafter is not None:
+                self._drop_drafter(error)  # the verifier refused the proposal: redo the round target-only
+                return
+            raise error
+        self.placement.report_failure(verifier, error)
+        self._failed_verifiers.add(verifier.address)
+        LOG.warning("verifier %s failed (%s); re-placing request %s", verifier.address, error, self._base_id)
+        old_id, drafter = self.sequence_id, self.drafter
+        self.verifier = self.drafter = None
+        self._predrafted, self._pending_commit = None, None
+        self._attempt += 1
+        self._close_in_background(verifier, old_id)
+        if drafter is not None:
+            self._close_in_background(drafter, old_id)
+        try:
+            await self._open_verifier()
+        except (NoWorkerError, WorkerBusyError, WorkerUnavailableError):
+            raise error from None
+        if self.plan.mode != "off" and drafter is not None:
+            await self._open_drafter()
+
+    def _close_in_background(self, worker: DrafterClient | VerifierClient, sequence_id: str) -> None:
+        """Best-effort close of a sequence the request has left behind, without waiting for it."""
+
+        async def close() -> None:
+            with contextlib.suppress(WorkerError):
+                await worker.close(sequence_id)
+            self.placement.release(worker)
+
+        self._keep(asyncio.ensure_future(close()))
+
+    def _keep(self, task: asyncio.Task[Any]) -> None:
+        """Hold a reference to ``task`` until it is done (the loop itself keeps only weak ones)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,239 @@
+"""A public request, as both front doors (gRPC and OpenAI HTTP) decode it, and its validation into a plan.
+
+:class:`GenerateInput` holds the fields as sent (unset numbers are ``None``); :func:`plan_request` checks them,
+tokenizes, resolves the server defaults and returns the :class:`Plan` the round loop runs. Every rejection is
+an :class:`~specdec.errors.InvalidArgumentError` naming the field, before any worker is touched.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal, cast
+
+from transformers import PreTrainedTokenizerBase
+
+from router.config import RouterConfig
+from specdec.drafters import DRAFTER_KINDS
+from specdec.errors import InvalidArgumentError
+from specdec.sampling import SamplingParams
+
+Mode = Literal["off", "sequential", "pipelined"]
+MODES: tuple[str, ...] = ("off", "sequential", "pipelined")
+MAX_TREE_WIDTH = 16
+MAX_STOP_STRINGS = 16
+UINT64 = 1 << 64
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """The public request as decoded from the wire; nothing is checked yet.
+
+    Exactly one of ``prompt``, ``prompt_ids`` and ``messages`` is meant to be set; ``chat`` wraps ``prompt``
+    in the chat template as one user message. ``speculation`` is ``""`` (server default) or one of
+    :data:`MODES`; ``drafter`` is ``""`` (server default), ``"none"`` or a drafter kind.
+    """
+
+    prompt: str = ""
+    prompt_ids: tuple[int, ...] = ()
+    messages: tuple[Message, ...] = ()
+    chat: bool = False
+    model: str = ""
+    temperature: float | None = None
+    top_k: int = 0
+    top_p: float | None = None
+    min_p: float = 0.0
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    speculation: str = ""
+    drafter: str = ""
+    num_draft_tokens: int = 0
+    tree_width: int = 0
+    tree_budget: int = 0
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """Candidate shape for the drafter: chain length / tree depth, children per node, node budget."""
+
+    num_draft_tokens: int
+    tree_width: int = 1
+    tree_budget: int = 0
+
+    @property
+    def is_chain(self) -> bool:
+        return self.tree_width <= 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated request, ready for the round loop.
+
+    ``mode`` is the speculation actually used: pipelining needs a chain (a tree's assumed path is the drafter's
+    guess, which the router cannot check against the verdict), so a tree request runs ``"sequential"``.
+    ``drafter_kind`` is ``None`` for any kind. ``eos_token_ids`` only tells "stop" from "length" when EOS is
+    the last token the budget allows; the verifier decides when generation ends.
+    """
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    seed: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    logprobs: bool
+    mode: Mode
+    drafter_kind: str | None
+    shape: DraftShape
+    eos_token_ids: frozenset[int]
+
+
+def plan_request(
+    request: GenerateInput,
+    config: RouterConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+    drafter_kinds: Collection[str],
+    *,
+    default_max_tokens: int | None = None,
+) -> Plan:
+    """Validate ``request`` and resolve it into a :class:`Plan`.
+
+    ``drafter_kinds`` are the kinds the router's drafters serve (an empty collection: kinds unknown yet, any is
+    let through and falls back to target-only if none turns up). ``default_max_tokens`` overrides the config's
+    default for an unset ``max_tokens`` (the completions API defaults to 16).
+    """
+    if request.model and request.model != config.model:
+        raise InvalidArgumentError("model", f"unknown model {request.model!r}; this router serves {config.model!r}")
+    prompt_ids = _prompt_ids(request, tokenizer)
+    max_tokens = request.max_tokens if request.max_tokens is not None else default_max_tokens
+    max_tokens = config.default_max_tokens if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise InvalidArgumentError("max_tokens", f"must be >= 1, got {max_tokens}")
+    if config.max_model_len:
+        if len(prompt_ids) >= config.max_model_len:
+            raise InvalidArgumentError(
+                "prompt", f"{len(prompt_ids)} tokens leave no room in the context length {config.max_model_len}"
+            )
+        if len(prompt_ids) + max_tokens > config.max_model_len:
+            raise InvalidArgumentError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                f"{config.max_model_len}",
+            )
+    sampling = SamplingParams(
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_k=request.top_k,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        min_p=request.min_p,
+    )
+    if request.seed is not None and not 0 <= request.seed < UINT64:
+        raise InvalidArgumentError("seed", f"must be in [0, 2^64), got {request.seed}")
+    _check_stop(request.stop, tokenizer)
+    mode, kind = _speculation(request, config, drafter_kinds)
+    shape = _shape(request, config)
+    eos = frozenset(config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos |= {int(tokenizer.eos_token_id)}
+    return Plan(
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        seed=secrets.randbits(63) if request.seed is None else request.seed,
+        stop=request.stop,
+        ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs,
+        mode="sequential" if mode == "pipelined" and not shape.is_chain else mode,
+        drafter_kind=kind,
+        shape=shape,
+        eos_token_ids=frozenset() if request.ignore_eos else eos,
+    )
+
+
+def _prompt_ids(request: GenerateInput, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
+    given = [name for name, value in (("prompt", request.prompt), ("prompt_ids", request.prompt_ids)) if value]
+    if request.messages:
+        given.append("messages")
+    if len(given) > 1:
+        raise InvalidArgumentError(
+            given[1], f"set only one of prompt, prompt_ids and messages (got {', '.join(given)})"
+        )
+    if not given:
+        raise InvalidArgumentError("prompt", "must not be empty")
+    if request.prompt_ids:
+        if request.chat:
+            raise InvalidArgumentError("chat", "applies to a text prompt, not to prompt_ids")
+        if any(token < 0 for token in request.prompt_ids):
+            raise InvalidArgumentError("prompt_ids", "token ids must be >= 0")
+        return tuple(request.prompt_ids)
+    field = "messages" if request.messages else "prompt"
+    if tokenizer is None:
+        raise InvalidArgumentError(field, "this router has no tokenizer; send prompt_ids")
+    if request.messages or request.chat:
+        messages = request.messages or (Message("user", request.prompt),)
+        if tokenizer.chat_template is None:
+            raise InvalidArgumentError("chat" if request.chat else field, "the served model has no chat template")
+        ids = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    else:
+        ids = tokenizer.encode(request.prompt, add_special_tokens=False)
+    if not ids:
+        raise InvalidArgumentError(field, "tokenizes to no tokens")
+    return tuple(int(token) for token in ids)
+
+
+def _check_stop(stops: tuple[str, ...], tokenizer: PreTrainedTokenizerBase | None) -> None:
+    if not stops:
+        return
+    if tokenizer is None:
+        raise InvalidArgumentError("stop", "stop strings need a tokenizer; this router serves token ids only")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidArgumentError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    if any(not stop for stop in stops):
+        raise InvalidArgumentError("stop", "stop strings must not be empty")
+
+
+def _speculation(request: GenerateInput, config: RouterConfig, kinds: Collection[str]) -> tuple[Mode, str | None]:
+    """The mode and the drafter kind (None: any) for ``request``."""
+    if request.speculation not in ("", *MODES):
+        raise InvalidArgumentError("speculation", f"must be one of {', '.join(MODES)}, got {request.speculation!r}")
+    kind = request.drafter or config.default_drafter
+    if kind not in ("", *DRAFTER_KINDS):
+        raise InvalidArgumentError("drafter", f"unknown drafter kind {kind!r}; one of {', '.join(DRAFTER_KINDS)}")
+    if request.drafter and request.drafter != "none" and kinds and request.drafter not in kinds:
+        raise InvalidArgumentError(
+            "drafter", f"no {request.drafter!r} drafter is served here (served: {', '.join(sorted(kinds))})"
+        )
+    if request.speculation == "off" or kind == "none" or not config.drafters:
+        return "off", None
+    mode = request.speculation or ("pipelined" if config.pipelining else "sequential")
+    return cast(Mode, mode), kind or None
+
+
+def _shape(request: GenerateInput, config: RouterConfig) -> DraftShape:
+    gamma = request.num_draft_tokens or config.num_draft_tokens
+    if not 1 <= gamma <= config.max_draft_tokens:
+        raise InvalidArgumentError("num_draft_tokens", f"must be in [0, {config.max_draft_tokens}], got {gamma}")
+    if not 0 <= request.tree_width <= MAX_TREE_WIDTH:
+        raise InvalidArgumentError("tree_width", f"must be in [0, {MAX_TREE_WIDTH}], got {request.tree_width}")
+    width = max(request.tree_width, 1)
+    if not 0 <= request.tree_budget <= width * gamma:
+        raise InvalidArgumentError(
+            "tree_budget", f"must be in [0, tree_width × num_draft_tokens = {width * gamma}], got {request.tree_budget}"
+        )
+    return DraftShape(gamma, width, request.tree_budget)

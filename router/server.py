@@ -1,0 +1,118 @@
+"""Process wiring: the router's event loop, its worker pool, the public gRPC server and the HTTP server.
+
+``start_router(config)`` returns a :class:`RunningRouter` once both servers accept requests; tests use it
+in-process. Requests run on one asyncio loop in a background thread (worker calls use ``grpc.aio``); the public
+gRPC server is the threaded one of :mod:`grpc_common.server` with ``grpc.health.v1``, its handler threads
+forwarding to that loop; aiohttp serves HTTP on the loop itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+from transformers import PreTrainedTokenizerBase
+
+from grpc_common.server import RunningServer, start_server
+from router.config import RouterConfig
+from router.frontend import Frontend
+from router.http import build_app
+from router.servicer import SERVICE_NAME, RouterServicer, add_to_server
+from router.text import load_tokenizer
+from router.workers import WorkerPool
+
+LOG = logging.getLogger(__name__)
+T = TypeVar("T")
+GRPC_SPARE_THREADS = 8  # handler threads beyond max_concurrent_requests: Status, refusals, health
+
+
+class EventLoopThread:
+    """An asyncio loop running in a daemon thread; :meth:`run` executes a coroutine there and waits."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+@dataclass
+class RunningRouter:
+    """A started router; ``stop()`` drains it gracefully (health NOT_SERVING, in-flight requests get the grace)."""
+
+    config: RouterConfig
+    frontend: Frontend
+    grpc_server: RunningServer
+    http_runner: web.AppRunner
+    http_address: str
+    loop_thread: EventLoopThread
+
+    @property
+    def grpc_address(self) -> str:
+        return self.grpc_server.address
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop taking requests, give those in flight ``grace_s`` (default: the config's) to finish, release all."""
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self.frontend.draining = True
+        self.grpc_server.stop(grace)  # health NOT_SERVING, then in-flight RPCs get the grace, then are cancelled
+        self.loop_thread.run(self._stop_on_loop(grace))
+        self.loop_thread.stop()
+
+    async def _stop_on_loop(self, grace_s: float) -> None:
+        await self.http_runner.cleanup()  # waits up to the runner's shutdown_timeout for handlers
+        await self.frontend.pool.stop_health_checks()
+        others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        if others:  # requests cancelled by the servers still close their sequences on the workers
+            await asyncio.wait(others, timeout=max(grace_s, 1.0))
+        await self.frontend.pool.close()
+
+
+def start_router(config: RouterConfig, *, tokenizer: PreTrainedTokenizerBase | None = None) -> RunningRouter:
+    """Start the router described by ``config``; ``tokenizer`` (else loaded from ``config.tokenizer``) is for text.
+
+    Workers are checked once before serving; ones that are down are retried by the health loop.
+    """
+    if tokenizer is None and config.tokenizer is not None:
+        tokenizer = load_tokenizer(config.tokenizer)
+    loop_thread = EventLoopThread()
+    try:
+        pool = loop_thread.run(WorkerPool.start(config))
+        frontend = Frontend(config, tokenizer, pool)
+        http_runner, http_address = loop_thread.run(_start_http(frontend))
+        grpc_server = start_server(
+            lambda server: add_to_server(RouterServicer(frontend, loop_thread.loop), server),
+            [SERVICE_NAME],
+            host=config.host,
+            port=config.grpc_port,
+            max_workers=config.max_concurrent_requests + GRPC_SPARE_THREADS,
+        )
+    except BaseException:
+        loop_thread.stop()
+        raise
+    LOG.info("router serving %s: gRPC %s, HTTP %s", config.model, grpc_server.address, http_address)
+    return RunningRouter(config, frontend, grpc_server, http_runner, http_address, loop_thread)
+
+
+async def _start_http(frontend: Frontend) -> tuple[web.AppRunner, str]:
+    config = frontend.config
+    runner = web.AppRunner(
+        build_app(frontend), handler_cancellation=True, shutdown_timeout=config.shutdown_grace_s, access_log=None
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.http_port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,170 @@
+"""The public ``specdec.v1.Router`` service: decode the proto, call the frontend, encode the stream.
+
+The gRPC server is the threaded one of :mod:`grpc_common.server` (its interceptor maps domain errors to status
+codes). ``Generate`` parses its request itself (:func:`add_to_server`), so an undecodable request (e.g. malformed
+UTF-8 in ``prompt``) is INVALID_ARGUMENT rather than the INTERNAL a failing deserializer gives. The request itself
+runs on the router's event loop. A handler thread hands the request to the loop,
+then forwards chunks from a queue; when the RPC ends early (client cancel, disconnect, deadline) a callback
+cancels the request on the loop, which closes its sequences on both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+from collections.abc import Iterator
+
+import grpc
+from google.protobuf.message import DecodeError
+from specdec_wire.v1 import router_pb2, router_pb2_grpc
+
+from router.errors import NoWorkerError, OverloadedError, UnauthenticatedError, WorkerUnavailableError
+from router.frontend import Frontend
+from router.pipeline import Chunk, Final
+from router.requests import GenerateInput
+from specdec.errors import CapacityError, InvalidArgumentError
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's standard server pushback, read by retry policies and the SDK
+_MODES = {
+    router_pb2.SPECULATION_MODE_UNSPECIFIED: "",
+    router_pb2.SPECULATION_MODE_OFF: "off",
+    router_pb2.SPECULATION_MODE_SEQUENTIAL: "sequential",
+    router_pb2.SPECULATION_MODE_PIPELINED: "pipelined",
+}
+_DONE = object()
+
+
+def input_from_wire(request: router_pb2.GenerateRequest) -> GenerateInput:
+    """The proto request as a :class:`GenerateInput` (unset optional fields become None)."""
+    sampling = request.sampling
+    return GenerateInput(
+        prompt=request.prompt,
+        prompt_ids=tuple(request.prompt_ids),
+        chat=request.chat,
+        model=request.model,
+        temperature=sampling.temperature if sampling.HasField("temperature") else None,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p if sampling.HasField("top_p") else None,
+        min_p=sampling.min_p,
+        max_tokens=request.max_tokens,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=tuple(request.stop),
+        ignore_eos=request.ignore_eos,
+        speculation=_MODES.get(request.speculation, str(request.speculation)),
+        drafter=request.drafter,
+        num_draft_tokens=request.num_draft_tokens,
+        tree_width=request.tree_width,
+        tree_budget=request.tree_budget,
+        logprobs=request.logprobs,
+    )
+
+
+def chunk_to_wire(chunk: Chunk) -> router_pb2.GenerateResponse:
+    return router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text, logprobs=chunk.logprobs)
+
+
+def final_to_wire(final: Final) -> router_pb2.GenerateResponse:
+    stats = final.stats
+    return router_pb2.GenerateResponse(
+        finish_reason=final.finish_reason,
+        usage=router_pb2.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens),
+        stats=router_pb2.SpeculationStats(
+            rounds=stats.rounds,
+            draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens,
+            accepted_per_position=stats.accepted_per_position,
+            draft_ns=stats.draft_ns,
+            verify_ns=stats.verify_ns,
+            state_ns=stats.state_ns,
+            pipeline_hits=stats.pipeline_hits,
+            pipeline_misses=stats.pipeline_misses,
+            wire_bytes=stats.wire_bytes,
+            drafter_fallback=stats.drafter_fallback,
+        ),
+    )
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """``Generate`` and ``Status`` over a :class:`Frontend` whose requests run on ``loop``."""
+
+    def __init__(self, frontend: Frontend, loop: asyncio.AbstractEventLoop) -> None:
+        self.frontend = frontend
+        self.loop = loop
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata())
+        try:
+            self.frontend.authorize(metadata.get("authorization"))
+        except UnauthenticatedError as error:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+
+    def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[router_pb2.GenerateResponse]:
+        self._authorize(context)
+        plan = self.frontend.plan(input_from_wire(request))
+        events: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+        async def emit(chunk: Chunk) -> None:
+            events.put(chunk)
+
+        future = asyncio.run_coroutine_threadsafe(self.frontend.generate(plan, emit), self.loop)
+        future.add_done_callback(lambda _: events.put(_DONE))
+        context.add_callback(future.cancel)  # the RPC ended (also normally: then this does nothing)
+        while (event := events.get()) is not _DONE:
+            assert isinstance(event, Chunk)
+            yield chunk_to_wire(event)
+        try:
+            final = future.result()
+        except concurrent.futures.CancelledError:
+            return  # the client is gone; the request was cancelled and cleans up on the loop
+        except CapacityError as error:
+            seconds = error.retry_after_s if isinstance(error, OverloadedError) else self.frontend.config.retry_after_s
+            context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(round(seconds * 1000))),))
+            raise
+        except (WorkerUnavailableError, NoWorkerError) as error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        yield final_to_wire(final)
+
+    def Status(
+        self, request: router_pb2.RouterStatusRequest, context: grpc.ServicerContext
+    ) -> router_pb2.RouterStatusReply:
+        self._authorize(context)
+        workers = [
+            router_pb2.WorkerStatus(
+                role=w.role, address=w.address, healthy=w.healthy, outstanding=w.outstanding, kind=w.kind or ""
+            )
+            for w in self.frontend.workers()
+        ]
+        return router_pb2.RouterStatusReply(
+            model=self.frontend.config.model, workers=workers, running=self.frontend.running
+        )
+
+
+def parse_generate_request(raw: bytes) -> router_pb2.GenerateRequest:
+    """Decode a GenerateRequest; raises InvalidArgumentError when the bytes are not one (e.g. bad UTF-8)."""
+    try:
+        return router_pb2.GenerateRequest.FromString(raw)
+    except DecodeError as error:
+        raise InvalidArgumentError("request", f"cannot be decoded ({error}); are all strings valid UTF-8?") from None
+
+
+def add_to_server(servicer: RouterServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` as ``specdec.v1.Router``, with ``Generate`` receiving raw bytes to parse itself."""
+
+    def generate(raw: bytes, context: grpc.ServicerContext) -> Iterator[router_pb2.GenerateResponse]:
+        return servicer.Generate(parse_generate_request(raw), context)
+
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate, response_serializer=router_pb2.GenerateResponse.SerializeToString
+        ),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status,
+            request_deserializer=router_pb2.RouterStatusRequest.FromString,
+            response_serializer=router_pb2.RouterStatusReply.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

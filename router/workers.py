@@ -1,0 +1,281 @@
+"""Drafters and verifiers over gRPC (``grpc.aio``), and the pool that places requests on them.
+
+Each worker has one channel. Every call carries the role's deadline; a failed call raises one of the
+:mod:`router.errors` types, classified here from its status code, and nothing else about gRPC leaves this
+module. The pool chooses the healthy worker with the least outstanding sequences (ties: the one chosen least
+often), learns each drafter's kind from its ``Status`` and checks ``grpc.health.v1`` every
+``health_interval_s``; a worker that fails a call is skipped until its health check passes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+from grpc_common.convert import sampling_to_wire, tree_from_wire
+from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
+from router.config import RouterConfig
+from router.errors import WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
+from router.pipeline import Drafted, DrafterClient, SequenceSpec, Verified, VerifierClient
+
+LOG = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_REJECTED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+def worker_error(address: str, error: grpc.aio.AioRpcError) -> WorkerError:
+    """The :mod:`router.errors` type for a failed call: refused arguments, busy, or unavailable (all else)."""
+    code = error.code()
+    if code in _REJECTED:
+        return WorkerRejectedError(address, code.name, error.details() or "")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return WorkerBusyError(address, code.name, error.details() or "")
+    return WorkerUnavailableError(address, code.name, error.details() or "")
+
+
+@dataclass
+class Worker:
+    """One worker as the router sees it."""
+
+    role: str  # "drafter" or "verifier"
+    address: str
+    channel: grpc.aio.Channel
+    deadline_s: float
+    healthy: bool = False
+    outstanding: int = 0
+    chosen: int = 0
+    kind: str | None = None  # drafters: ngram, model or early-exit, once known
+
+    async def call(self, method: Callable[..., Awaitable[T]], request: object, deadline_s: float | None = None) -> T:
+        """``method(request)`` with the deadline; a failure becomes a WorkerError."""
+        try:
+            return await method(request, timeout=deadline_s or self.deadline_s)
+        except grpc.aio.AioRpcError as error:
+            raise worker_error(self.address, error) from None
+
+
+class WorkerClient:
+    """A worker's client: its :class:`Worker` record and address."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.address = worker.address
+
+
+C = TypeVar("C", bound=WorkerClient)
+
+
+class GrpcDrafter(WorkerClient):
+    """:class:`~router.pipeline.DrafterClient` over the ``specdec.v1.Drafter`` service."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(worker)
+        self._stub = drafter_pb2_grpc.DrafterStub(worker.channel)
+
+    async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
+        shape = drafter_pb2.DraftShape(
+            num_draft_tokens=spec.shape.num_draft_tokens,
+            tree_width=spec.shape.tree_width,
+            tree_budget=spec.shape.tree_budget,
+        )
+        request = drafter_pb2.OpenDraftRequest(
+            sequence_id=sequence_id,
+            prompt_ids=spec.prompt_ids,
+            sampling=sampling_to_wire(spec.sampling),
+            seed=seed,
+            shape=shape,
+        )
+        await self.worker.call(self._stub.OpenSequence, request)
+
+    async def propose(self, sequence_id: str, max_tokens: int, *, assume_previous_accepted: bool) -> Drafted:
+        request = drafter_pb2.ProposeRequest(
+            sequence_id=sequence_id, max_tokens=max_tokens, assume_previous_accepted=assume_previous_accepted
+        )
+        reply = await self.worker.call(self._stub.Propose, request)
+        try:
+            tree = tree_from_wire(reply.proposal.tree)
+        except ValueError as error:
+            raise WorkerRejectedError(self.address, "INVALID_ARGUMENT", f"malformed proposal: {error}") from None
+        wire_bytes = reply.wire_bytes or reply.proposal.ByteSize()
+        return Drafted(tree, reply.proposal, reply.draft_ns, wire_bytes)
+
+    async def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None:
+        request = drafter_pb2.DraftCommitRequest(sequence_id=sequence_id, base_length=base_length, emitted=emitted)
+        await self.worker.call(self._stub.Commit, request)
+
+    async def close(self, sequence_id: str) -> None:
+        await self.worker.call(self._stub.CloseSequence, drafter_pb2.CloseDraftRequest(sequence_id=sequence_id))
+
+
+class GrpcVerifier(WorkerClient):
+    """:class:`~router.pipeline.VerifierClient` over the ``specdec.v1.Verifier`` service."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(worker)
+        self._stub = verifier_pb2_grpc.VerifierStub(worker.channel)
+
+    async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
+        request = verifier_pb2.OpenVerifyRequest(
+            sequence_id=sequence_id,
+            prompt_ids=spec.prompt_ids,
+            sampling=sampling_to_wire(spec.sampling),
+            seed=seed,
+            max_tokens=spec.max_tokens,
+            ignore_eos=spec.ignore_eos,
+            logprobs=spec.logprobs,
+        )
+        await self.worker.call(self._stub.OpenSequence, request)
+
+    async def verify(self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool) -> Verified:
+        proposal = drafted.payload if drafted is not None else common_pb2.Proposal()
+        assert isinstance(proposal, common_pb2.Proposal)
+        request = verifier_pb2.VerifyRequest(sequence_id=sequence_id, proposal=proposal, defer_bonus=defer_bonus)
+        reply = await self.worker.call(self._stub.Verify, request)
+        verdict = reply.verdict
+        return Verified(
+            accepted_path=tuple(verdict.accepted_path),
+            emitted=tuple(verdict.emitted),
+            finished=verdict.finished,
+            bonus_deferred=verdict.bonus_deferred,
+            logprobs=tuple(verdict.logprobs),
+            verify_ns=reply.verify_ns,
+            state_ns=reply.state_ns,
+        )
+
+    async def close(self, sequence_id: str) -> None:
+        await self.worker.call(self._stub.CloseSequence, verifier_pb2.CloseVerifyRequest(sequence_id=sequence_id))
+
+
+class WorkerPool:
+    """The router's workers: placement (:class:`~router.pipeline.Placement`), health and status.
+
+    Create with :meth:`start` inside the event loop that will use it; all methods run on that loop.
+    """
+
+    def __init__(self, config: RouterConfig, drafters: list[GrpcDrafter], verifiers: list[GrpcVerifier]) -> None:
+        self.config = config
+        self.drafters = drafters
+        self.verifiers = verifiers
+        self._health_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, config: RouterConfig) -> WorkerPool:
+        """Open a channel per worker, check every worker once, then keep checking in the background."""
+        options = [
+            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            # a restarted worker is dialled again within a couple of seconds, not gRPC's default two minutes
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+
+        def worker(role: str, address: str, deadline_s: float) -> Worker:
+            return Worker(role, address, grpc.aio.insecure_channel(address, options=options), deadline_s)
+
+        pool = cls(
+            config,
+            [GrpcDrafter(worker("drafter", a, config.drafter_deadline_s)) for a in config.drafters],
+            [GrpcVerifier(worker("verifier", a, config.verifier_deadline_s)) for a in config.verifiers],
+        )
+        await pool.check_health()
+        pool._health_task = asyncio.ensure_future(pool._health_loop())
+        return pool
+
+    async def stop_health_checks(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop health checks and close every channel."""
+        await self.stop_health_checks()
+        await asyncio.gather(*(client.worker.channel.close() for client in self._clients()))
+
+    def _clients(self) -> list[GrpcDrafter | GrpcVerifier]:
+        return [*self.drafters, *self.verifiers]
+
+    # --- placement ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _least_loaded(candidates: list[C]) -> C | None:
+        """The candidate with the fewest outstanding sequences (then the least chosen), now counted as busier."""
+        if not candidates:
+            return None
+        chosen = min(candidates, key=lambda client: (client.worker.outstanding, client.worker.chosen))
+        chosen.worker.outstanding += 1
+        chosen.worker.chosen += 1
+        return chosen
+
+    def acquire_verifier(self, exclude: Collection[str]) -> GrpcVerifier | None:
+        return self._least_loaded([v for v in self.verifiers if v.worker.healthy and v.address not in exclude])
+
+    def acquire_drafter(self, kind: str | None, exclude: Collection[str]) -> GrpcDrafter | None:
+        return self._least_loaded(
+            [
+                d
+                for d in self.drafters
+                if d.worker.healthy and d.address not in exclude and (kind is None or d.worker.kind == kind)
+            ]
+        )
+
+    def release(self, worker: DrafterClient | VerifierClient) -> None:
+        assert isinstance(worker, WorkerClient)
+        worker.worker.outstanding -= 1
+
+    def report_failure(self, worker: DrafterClient | VerifierClient, error: WorkerError) -> None:
+        assert isinstance(worker, WorkerClient)
+        if isinstance(error, WorkerUnavailableError) and worker.worker.healthy:
+            LOG.warning("%s %s marked unhealthy: %s", worker.worker.role, worker.address, error)
+            worker.worker.healthy = False
+
+    def drafter_kinds(self) -> frozenset[str]:
+        """Kinds the drafters serve; empty while some drafter's kind is unknown (it has never answered)."""
+        kinds = [client.worker.kind for client in self.drafters]
+        return frozenset() if None in kinds else frozenset(kind for kind in kinds if kind is not None)
+
+    def any_verifier_healthy(self) -> bool:
+        return any(client.worker.healthy for client in self.verifiers)
+
+    def workers(self) -> list[Worker]:
+        """Every worker, drafters first, for status reports."""
+        return [client.worker for client in self._clients()]
+
+    # --- health -------------------------------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        """One grpc.health.v1 check of every worker (and ``Status`` of drafters whose kind is unknown)."""
+        await asyncio.gather(*(self._check(client) for client in self._clients()))
+
+    async def _check(self, client: GrpcDrafter | GrpcVerifier) -> None:
+        worker = client.worker
+        deadline = min(worker.deadline_s, self.config.health_interval_s)
+        try:
+            health = health_pb2_grpc.HealthStub(worker.channel)
+            reply = await worker.call(health.Check, health_pb2.HealthCheckRequest(service=""), deadline)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if serving and isinstance(client, GrpcDrafter) and worker.kind is None:
+                stub = drafter_pb2_grpc.DrafterStub(worker.channel)
+                status = await worker.call(stub.Status, drafter_pb2.DrafterStatusRequest(), deadline)
+                worker.kind = status.kind or None
+        except WorkerError as error:
+            LOG.debug("health check of %s failed: %s", worker.address, error)
+            serving = False
+        if serving != worker.healthy:
+            LOG.info("%s %s is %s", worker.role, worker.address, "healthy" if serving else "unhealthy")
+        worker.healthy = serving
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_health()

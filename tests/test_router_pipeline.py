@@ -1,0 +1,385 @@
+"""The router's round loop (router.pipeline) against in-memory workers that check the protocol.
+
+The fake target is a deterministic greedy function of the context, so the exact output of every request is
+known; the fake verifier applies the greedy rule to chains (with the deferred bonus of DESIGN §4) and the fake
+drafter guesses, wrong at chosen positions, and follows ``Commit`` like a real one (``text[:base] + emitted``,
+keeping a pre-drafted chain when the commit confirms what it assumed). Every case checks: output equal to the
+target's own greedy continuation, finish reason, counters that add up, and no sequence or placement left open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection, Sequence
+
+import pytest
+
+from router.errors import WorkerError, WorkerRejectedError, WorkerUnavailableError
+from router.pipeline import Chunk, Drafted, Final, SequenceSpec, Session, Verified, derive_seed
+from router.requests import DraftShape, Plan
+from specdec.sampling import SamplingParams
+from specdec.tree import TokenTree
+
+VOCAB = 50
+EOS = 49
+PROMPT = (3, 1, 4, 1, 5)
+
+
+def target_next(context: Sequence[int]) -> int:
+    """The fake target's greedy token after ``context`` (never EOS unless the context says so)."""
+    return (sum(context) * 7 + len(context) * 3) % (VOCAB - 1)
+
+
+def reference(prompt: Sequence[int], max_tokens: int, eos: int | None = None) -> tuple[list[int], str]:
+    text, out = list(prompt), []
+    while len(out) < max_tokens:
+        token = eos if eos is not None and len(out) == 7 else target_next(text)
+        text.append(token)
+        out.append(token)
+        if token == eos:
+            return out, "stop"
+    return out, "length"
+
+
+class FakeVerifier:
+    """Greedy verification of chains; ``eos_at`` makes the target emit EOS as its 8th generated token."""
+
+    def __init__(
+        self,
+        address: str = "verifier-0",
+        eos_at_8: bool = False,
+        fail_on_call: int = 0,
+        next_token: Callable[[Sequence[int]], int] = target_next,
+    ) -> None:
+        self.address = address
+        self.eos_at_8 = eos_at_8
+        self.next_token = next_token
+        self.fail_on_call = fail_on_call
+        self.reject_proposals = False
+        self.calls = 0
+        self.sequences: dict[str, dict] = {}
+        self.opened: list[str] = []
+
+    def _fail(self) -> None:
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise WorkerUnavailableError(self.address, "UNAVAILABLE", "injected failure")
+
+    def _next(self, state: dict, emitted: list[int]) -> int:
+        if self.eos_at_8 and state["generated"] + len(emitted) == 7:
+            return EOS
+        return self.next_token(state["text"] + emitted)
+
+    async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
+        self._fail()
+        assert sequence_id not in self.sequences
+        self.opened.append(sequence_id)
+        self.sequences[sequence_id] = {
+            "text": list(spec.prompt_ids),
+            "generated": 0,
+            "max_tokens": spec.max_tokens,
+            "eos": set() if spec.ignore_eos else {EOS},
+            "deferred": False,
+        }
+
+    async def verify(self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool) -> Verified:
+        self._fail()
+        await asyncio.sleep(0)
+        state = self.sequences[sequence_id]
+        if self.reject_proposals and drafted is not None:
+            raise WorkerRejectedError(self.address, "INVALID_ARGUMENT", "proposal: malformed")
+        chain = list(drafted.tree.tokens) if drafted else []
+        assert drafted is None or drafted.tree.is_chain
+        assert not (defer_bonus and not chain), "the router never defers the bonus of an empty proposal"
+        emitted: list[int] = []
+        finished = deferred = False
+
+        def add(token: int) -> bool:
+            emitted.append(token)
+            return token in state["eos"] or state["generated"] + len(emitted) >= state["max_tokens"]
+
+        accepted = 0
+        for token in chain:
+            expected = self._next(state, emitted)
+            if token != expected:
+                finished = add(expected)
+                break
+            accepted += 1
+            if add(token):
+                finished = True
+                break
+        else:
+            last_allowed = state["generated"] + len(emitted) + 1 >= state["max_tokens"]
+            if defer_bonus and not last_allowed:
+                deferred = True
+            else:
+                finished = add(self._next(state, emitted))
+        state["text"] += emitted
+        state["generated"] += len(emitted)
+        return Verified(tuple(range(accepted)), tuple(emitted), finished, deferred, (), 1000, 10)
+
+    async def close(self, sequence_id: str) -> None:
+        self.sequences.pop(sequence_id, None)
+
+
+class FakeDrafter:
+    """Guesses the target's next tokens, wrong wherever ``wrong(context)``; follows Commit like a real drafter."""
+
+    def __init__(
+        self,
+        address: str = "drafter-0",
+        wrong_every: int = 0,
+        fail_on_call: int = 0,
+        next_token: Callable[[Sequence[int]], int] = target_next,
+    ) -> None:
+        self.address = address
+        self.wrong_every = wrong_every
+        self.next_token = next_token
+        self.fail_on_call = fail_on_call
+        self.calls = 0
+        self.sequences: dict[str, dict] = {}
+        self.log: list[str] = []
+
+    def _fail(self, name: str) -> None:
+        self.calls += 1
+        self.log.append(name)
+        if self.calls == self.fail_on_call:
+            raise WorkerUnavailableError(self.address, "DEADLINE_EXCEEDED", "injected failure")
+
+    def _guess(self, context: list[int]) -> int:
+        token = self.next_token(context)
+        if self.wrong_every and len(context) % self.wrong_every == 0:
+            return (token + 1) % (VOCAB - 1)
+        return token
+
+    async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
+        self._fail("open")
+        assert sequence_id not in self.sequences
+        self.sequences[sequence_id] = {
+            "text": list(spec.prompt_ids),
+            "outstanding": None,
+            "gamma": spec.shape.num_draft_tokens,
+        }
+
+    async def propose(self, sequence_id: str, max_tokens: int, *, assume_previous_accepted: bool) -> Drafted:
+        self._fail("propose-assume" if assume_previous_accepted else "propose")
+        await asyncio.sleep(0)
+        state = self.sequences[sequence_id]
+        assert max_tokens >= 1
+        if assume_previous_accepted:
+            assert state["outstanding"] is not None, "assume needs an outstanding proposal"
+            state["text"] = state["text"] + state["outstanding"]
+        chain: list[int] = []
+        for _ in range(min(state["gamma"], max_tokens)):
+            chain.append(self._guess(state["text"] + chain))
+        state["outstanding"] = chain
+        return Drafted(TokenTree.chain(chain), tuple(chain), draft_ns=500, wire_bytes=8 * len(chain))
+
+    async def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None:
+        self._fail("commit")
+        state = self.sequences[sequence_id]
+        assert base_length <= len(state["text"])
+        new_text = state["text"][:base_length] + list(emitted)
+        if new_text != state["text"]:
+            state["text"], state["outstanding"] = new_text, None
+
+    async def close(self, sequence_id: str) -> None:
+        self.sequences.pop(sequence_id, None)
+
+
+class FakePlacement:
+    def __init__(self, verifiers: list[FakeVerifier], drafters: list[FakeDrafter]) -> None:
+        self.verifiers = verifiers
+        self.drafters = drafters
+        self.outstanding: dict[str, int] = {}
+        self.failed: list[str] = []
+
+    def _acquire(self, workers, exclude: Collection[str]):
+        for worker in workers:
+            if worker.address not in exclude and worker.address not in self.failed:
+                self.outstanding[worker.address] = self.outstanding.get(worker.address, 0) + 1
+                return worker
+        return None
+
+    def acquire_verifier(self, exclude: Collection[str]) -> FakeVerifier | None:
+        return self._acquire(self.verifiers, exclude)
+
+    def acquire_drafter(self, kind: str | None, exclude: Collection[str]) -> FakeDrafter | None:
+        return self._acquire(self.drafters, exclude)
+
+    def release(self, worker) -> None:
+        self.outstanding[worker.address] -= 1
+        assert self.outstanding[worker.address] >= 0
+
+    def report_failure(self, worker, error: WorkerError) -> None:
+        self.failed.append(worker.address)
+
+
+def make_plan(mode: str, max_tokens: int = 40, gamma: int = 4, ignore_eos: bool = True) -> Plan:
+    return Plan(
+        prompt_ids=PROMPT,
+        sampling=SamplingParams(temperature=0.0),
+        max_tokens=max_tokens,
+        seed=7,
+        stop=(),
+        ignore_eos=ignore_eos,
+        logprobs=False,
+        mode=mode,  # type: ignore[arg-type]
+        drafter_kind=None,
+        shape=DraftShape(gamma),
+        eos_token_ids=frozenset() if ignore_eos else frozenset({EOS}),
+    )
+
+
+def run(plan: Plan, placement: FakePlacement) -> tuple[list[int], Final, list[Chunk]]:
+    chunks: list[Chunk] = []
+
+    async def emit(chunk: Chunk) -> None:
+        chunks.append(chunk)
+
+    final = asyncio.run(Session(plan, placement, emit, sequence_id="seq").run())
+    tokens = [token for chunk in chunks for token in chunk.token_ids]
+    return tokens, final, chunks
+
+
+def assert_clean(placement: FakePlacement) -> None:
+    for worker in [*placement.verifiers, *placement.drafters]:
+        assert worker.sequences == {}, f"{worker.address} left sequences open"
+    assert all(count == 0 for count in placement.outstanding.values()), placement.outstanding
+
+
+def check_stats(final: Final, tokens: list[int], mode: str, finish_reason: str = "length") -> None:
+    stats = final.stats
+    assert final.finish_reason == finish_reason
+    assert final.completion_tokens == len(tokens) and final.prompt_tokens == len(PROMPT)
+    assert sum(stats.accepted_per_position) == stats.accepted_tokens <= stats.draft_tokens
+    if finish_reason == "length":  # every round emits its accepted tokens plus one, except a deferred bonus
+        assert len(tokens) == stats.accepted_tokens + stats.rounds - stats.pipeline_hits
+    if mode != "pipelined":
+        assert stats.pipeline_hits == stats.pipeline_misses == 0
+    if mode == "off":
+        assert stats.draft_tokens == 0 and stats.rounds == len(tokens)
+
+
+@pytest.mark.parametrize("mode", ["off", "sequential", "pipelined"])
+@pytest.mark.parametrize("wrong_every", [0, 2, 3, 5])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_output_is_the_targets_greedy_continuation(mode: str, wrong_every: int, gamma: int) -> None:
+    placement = FakePlacement([FakeVerifier()], [FakeDrafter(wrong_every=wrong_every)])
+    tokens, final, _ = run(make_plan(mode, gamma=gamma), placement)
+    expected, _ = reference(PROMPT, 40)
+    assert tokens == expected
+    check_stats(final, tokens, mode)
+    assert_clean(placement)
+    stats = final.stats
+    if mode != "off":
+        assert stats.draft_tokens > 0 and stats.draft_ns > 0 and stats.wire_bytes > 0
+        assert not stats.drafter_fallback
+    if mode == "pipelined" and wrong_every == 0:
+        assert stats.pipeline_hits > 0 and stats.pipeline_misses == 0
+    if mode == "pipelined" and wrong_every in (2, 3) and gamma == 4:
+        assert stats.pipeline_misses > 0
+
+
+def test_pipelined_calls_overlap_and_commit_confirms_the_assumption() -> None:
+    """With a perfect drafter: Propose(assume) follows each Verify; after a hit, Commit comes before the next one."""
+    drafter = FakeDrafter()
+    placement = FakePlacement([FakeVerifier()], [drafter])
+    tokens, final, _ = run(make_plan("pipelined", max_tokens=30), placement)
+    assert tokens == reference(PROMPT, 30)[0]
+    assert drafter.log[:3] == ["open", "propose", "propose-assume"]
+    assert "commit" in drafter.log
+    assert final.stats.pipeline_hits >= 4
+    # the rounds after a hit verify the pre-drafted chain: fewer plain proposals than rounds
+    assert drafter.log.count("propose") < final.stats.rounds
+
+
+@pytest.mark.parametrize("mode", ["sequential", "pipelined"])
+def test_eos_stops_with_reason_stop(mode: str) -> None:
+    placement = FakePlacement([FakeVerifier(eos_at_8=True)], [FakeDrafter(wrong_every=3)])
+    tokens, final, _ = run(make_plan(mode, ignore_eos=False), placement)
+    expected, reason = reference(PROMPT, 40, eos=EOS)
+    assert (tokens, final.finish_reason) == (expected, reason) == (expected, "stop")
+    assert_clean(placement)
+
+
+def test_eos_as_the_last_allowed_token_is_stop() -> None:
+    placement = FakePlacement([FakeVerifier(eos_at_8=True)], [FakeDrafter()])
+    tokens, final, _ = run(make_plan("pipelined", max_tokens=8, ignore_eos=False), placement)
+    assert tokens[-1] == EOS and len(tokens) == 8 and final.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("mode", ["sequential", "pipelined"])
+@pytest.mark.parametrize("fail_on_call", range(1, 12))
+def test_a_failing_drafter_never_fails_the_request(mode: str, fail_on_call: int) -> None:
+    """The drafter fails at its n-th call (open, propose, assume, commit): same output, fallback noted."""
+    drafter = FakeDrafter(wrong_every=3, fail_on_call=fail_on_call)
+    placement = FakePlacement([FakeVerifier()], [drafter])
+    tokens, final, _ = run(make_plan(mode, max_tokens=30), placement)
+    assert tokens == reference(PROMPT, 30)[0]
+    assert final.stats.drafter_fallback
+    assert placement.failed == [drafter.address]
+    check_stats(final, tokens, mode)
+    assert_clean(placement)
+
+
+def test_a_refused_proposal_drops_the_drafter() -> None:
+    verifier = FakeVerifier()
+    verifier.reject_proposals = True
+    placement = FakePlacement([verifier], [FakeDrafter()])
+    tokens, final, _ = run(make_plan("pipelined", max_tokens=12), placement)
+    assert tokens == reference(PROMPT, 12)[0]
+    assert final.stats.drafter_fallback and final.stats.draft_tokens == 0
+    assert_clean(placement)
+
+
+@pytest.mark.parametrize("mode", ["off", "sequential", "pipelined"])
+@pytest.mark.parametrize("fail_on_call", [1, 2, 5])
+def test_a_failed_verifier_is_replaced_with_a_re_prefill(mode: str, fail_on_call: int) -> None:
+    first, second = FakeVerifier("verifier-0", fail_on_call=fail_on_call), FakeVerifier("verifier-1")
+    placement = FakePlacement([first, second], [FakeDrafter(wrong_every=3)])
+    tokens, final, _ = run(make_plan(mode, max_tokens=30), placement)
+    assert tokens == reference(PROMPT, 30)[0]
+    assert placement.failed == ["verifier-0"] and second.opened
+    if fail_on_call > 1:  # re-prefilled on prompt + output so far, under a new sequence id
+        assert second.opened[0] == "seq.1"
+    assert not final.stats.drafter_fallback
+    assert_clean(placement)
+
+
+@pytest.mark.parametrize("fail_on_call", [1, 3])
+def test_a_failed_verifier_without_replacement_fails_the_request(fail_on_call: int) -> None:
+    placement = FakePlacement([FakeVerifier(fail_on_call=fail_on_call)], [FakeDrafter()])
+    with pytest.raises(WorkerUnavailableError):
+        run(make_plan("pipelined"), placement)
+    assert_clean(placement)
+
+
+def test_cancel_closes_both_sequences() -> None:
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    placement = FakePlacement([verifier], [drafter])
+
+    async def main() -> None:
+        started = asyncio.Event()
+
+        async def emit(chunk: Chunk) -> None:
+            started.set()
+            await asyncio.sleep(3600)  # a client that stopped reading
+
+        task = asyncio.ensure_future(Session(make_plan("pipelined"), placement, emit, sequence_id="seq").run())
+        await started.wait()
+        assert verifier.sequences and drafter.sequences
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert_clean(placement)
+
+
+def test_derived_seeds_are_deterministic_and_distinct() -> None:
+    assert derive_seed(1, "verifier") == derive_seed(1, "verifier")
+    seeds = {
+        derive_seed(seed, role, attempt) for seed in range(3) for role in ("verifier", "drafter") for attempt in (0, 1)
+    }
+    assert len(seeds) == 12 and all(0 <= seed < 2**64 for seed in seeds)

@@ -1,0 +1,124 @@
+"""The whole stack on the real SmolLM2-135M: router (gRPC + OpenAI HTTP) over a verifier service and n-gram and
+early-exit drafter services. Greedy chat output through the router, as token ids and as text, streamed or not,
+equals the co-located Engine's target-only output for the same chat-templated prompt (DESIGN §3)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from drafter_service.config import DrafterConfig
+from drafter_service.server import start_drafter
+from router.config import RouterConfig
+from router.server import start_router
+from specdec.cli import encode_prompt
+from specdec.client import Client
+from specdec.engine import Engine, GenerationRequest
+from specdec.models import LoadedModel
+from specdec.runner import KVRunner
+from specdec.sampling import SamplingParams
+from tests.test_router_http import events, request
+from tests.tiny_models import SMOLLM2, smollm2
+from verifier_service.config import VerifierConfig
+from verifier_service.server import start_verifier
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 40
+PROMPTS = {
+    "repeat": "Repeat exactly: The quick brown fox jumps over the lazy dog. " * 2,
+    "list": "List five fruits, one per line, numbered.",
+}
+
+
+class Stack:
+    def __init__(self, target: LoadedModel) -> None:
+        self.verifier = start_verifier(VerifierConfig(), model=target)
+        self.ngram = start_drafter(DrafterConfig(kind="ngram"), target=target)
+        self.early = start_drafter(DrafterConfig(kind="early-exit", early_exit_layers=8), target=target)
+        config = RouterConfig(
+            model=SMOLLM2,
+            tokenizer=SMOLLM2,
+            verifiers=(self.verifier.address,),
+            drafters=(self.ngram.address, self.early.address),
+            grpc_port=0,
+            http_port=0,
+            shutdown_grace_s=0.5,
+        )
+        self.router = start_router(config, tokenizer=target.tokenizer)
+
+    def stop(self) -> None:
+        self.router.stop(0.5)
+        for service in (self.verifier, self.ngram, self.early):
+            service.stop(0)
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return smollm2()
+
+
+@pytest.fixture(scope="module")
+def stack(target: LoadedModel) -> Iterator[Stack]:
+    stack = Stack(target)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(target: LoadedModel) -> dict[str, list[int]]:
+    """Co-located target-only greedy decoding of each chat-templated prompt."""
+    engine = Engine(KVRunner(target.model), target.eos_token_ids, None)
+    outputs = {}
+    for name, text in PROMPTS.items():
+        prompt = encode_prompt(target, text, chat=True)
+        [result] = engine.generate([GenerationRequest(prompt, SamplingParams(temperature=0.0), MAX_TOKENS)])
+        outputs[name] = result.token_ids
+    return outputs
+
+
+@pytest.mark.parametrize(
+    ("drafter", "speculation", "gamma"), [("ngram", "pipelined", 4), ("early-exit", "sequential", 2)]
+)
+def test_grpc_chat_equals_colocated(stack: Stack, target, expected, drafter: str, speculation: str, gamma: int) -> None:
+    with Client(stack.router.grpc_address, timeout_s=120) as client:
+        for name, text in PROMPTS.items():
+            result = client.generate(
+                text,
+                chat=True,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                drafter=drafter,
+                speculation=speculation,
+                num_draft_tokens=gamma,
+            )
+            assert result.token_ids == expected[name], name
+            assert result.text == target.tokenizer.decode(expected[name], skip_special_tokens=True)
+            assert result.stats.draft_tokens > 0 and not result.stats.drafter_fallback
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_chat_equals_colocated(stack: Stack, target, expected, stream: bool) -> None:
+    for name, text in PROMPTS.items():
+        body = {
+            "model": SMOLLM2,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": stream,
+            "drafter": "ngram",
+        }
+        status, _, data = request(stack.router.http_address, "POST", "/v1/chat/completions", body)
+        assert status == 200, data
+        if stream:
+            chunks = events(data)[:-1]
+            content = "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks)
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            answer = json.loads(data)
+            content, finish = answer["choices"][0]["message"]["content"], answer["choices"][0]["finish_reason"]
+            assert answer["usage"]["completion_tokens"] == len(expected[name])
+        assert content == target.tokenizer.decode(expected[name], skip_special_tokens=True), name
+        assert finish == ("stop" if expected[name][-1] in target.eos_token_ids else "length")
