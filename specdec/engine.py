@@ -3,22 +3,22 @@
 Each round, for every active sequence at once: the drafter proposes a tree (a chain is a tree),
 the target verifies every sequence's ``pending + tree`` in ONE forward, the rule decides what is
 emitted, then the target and the drafter commit the accepted path. With no drafter every round
-is a plain target step on the same runner: that is the target-only baseline.
+is a plain target step on the same runner: that is the target-only baseline. The verification
+side is :class:`~specdec.verification.BatchVerifier`, the same code the verifier service runs;
+the drafter draws from the sequence's random stream too.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from specdec.acceptance import Verdict, verify_greedy, verify_reference
 from specdec.drafters.base import Drafter, Proposal
-from specdec.errors import InvalidArgumentError
-from specdec.runner import ForwardItem, KVRunner
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator
+from specdec.runner import KVRunner
+from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
+from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,7 @@ class GenerationResult:
 @dataclass
 class _Sequence:
     request: GenerationRequest
-    runner_seq: int
-    generator: torch.Generator
-    pending: list[int]
+    sequence_id: str
     draft_handle: int | None
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -92,30 +90,22 @@ class Engine:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.drafter = drafter
+        self._verifier = BatchVerifier(runner)
+        self._ids = itertools.count()
 
     def validate(self, request: GenerationRequest) -> None:
-        """Raise :class:`InvalidArgumentError` naming the first bad field of ``request``."""
-        if not request.prompt_ids:
-            raise InvalidArgumentError("prompt", "must not be empty")
-        if any(not 0 <= token < self.runner.vocab_size for token in request.prompt_ids):
-            raise InvalidArgumentError("prompt", f"token ids must be in [0, {self.runner.vocab_size})")
-        if request.max_tokens <= 0:
-            raise InvalidArgumentError("max_tokens", f"must be >= 1, got {request.max_tokens}")
-        context = self.runner.max_seq_len
-        if len(request.prompt_ids) + request.max_tokens > context:
-            raise InvalidArgumentError(
-                "max_tokens",
-                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the "
-                f"context length {context}",
-            )
+        """Raise :class:`~specdec.errors.InvalidArgumentError` naming the first bad field of ``request``."""
+        self._verifier.validate(request.prompt_ids, request.max_tokens)
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Run every request to completion, verifying all active sequences together each round."""
         for request in requests:
             self.validate(request)
         start = time.perf_counter()
-        sequences = [self._open(request) for request in requests]
+        sequences: list[_Sequence] = []
         try:
+            for request in requests:
+                sequences.append(self._open(request))
             active = list(sequences)
             while active:
                 self._round(active)
@@ -127,18 +117,32 @@ class Engine:
         return [GenerationResult(s.output, s.finish_reason or "length", s.stats, elapsed) for s in sequences]
 
     def _open(self, request: GenerationRequest) -> _Sequence:
-        generator = make_generator(request.seed)
-        handle = None
+        sequence_id = str(next(self._ids))
+        self._verifier.open(
+            sequence_id,
+            request.prompt_ids,
+            request.params,
+            request.seed,
+            request.max_tokens,
+            self.eos_token_ids,
+            ignore_eos=request.ignore_eos,
+        )
+        sequence = _Sequence(request, sequence_id, None)
         if self.drafter is not None:
-            handle = self.drafter.open(list(request.prompt_ids), request.params, generator)
-        return _Sequence(request, self.runner.open(), generator, list(request.prompt_ids), handle)
+            try:
+                generator = self._verifier.generator(sequence_id)
+                sequence.draft_handle = self.drafter.open(list(request.prompt_ids), request.params, generator)
+            except BaseException:
+                self._verifier.close(sequence_id)
+                raise
+        return sequence
 
     def _close(self, sequence: _Sequence) -> None:
-        """Free the sequence's state on the runner and the drafter (once; later calls do nothing)."""
+        """Free the sequence's state on the verifier and the drafter (once; later calls do nothing)."""
         if sequence.released:
             return
         sequence.released = True
-        self.runner.close(sequence.runner_seq)
+        self._verifier.close(sequence.sequence_id)
         if self.drafter is not None and sequence.draft_handle is not None:
             self.drafter.close(sequence.draft_handle)
 
@@ -146,23 +150,15 @@ class Engine:
         started = time.perf_counter()
         proposals = self._propose(active)
         drafted = time.perf_counter()
-        all_logits = self.runner.forward(
-            [ForwardItem(s.runner_seq, s.pending, proposal.tree) for s, proposal in zip(active, proposals, strict=True)]
+        outcomes = self._verifier.verify(
+            [VerifyCall(s.sequence_id, proposal) for s, proposal in zip(active, proposals, strict=True)]
         )
-        verdicts = []
-        for sequence, proposal, logits in zip(active, proposals, all_logits, strict=True):
-            verdicts.append(self._verify(sequence, proposal, logits))
-        verified = time.perf_counter()
-        for sequence, proposal, verdict in zip(active, proposals, verdicts, strict=True):
-            self.runner.commit(sequence.runner_seq, len(sequence.pending), verdict.accepted_path)
+        for sequence, proposal, outcome in zip(active, proposals, outcomes, strict=True):
+            committed = time.perf_counter()
             if sequence.draft_handle is not None:
+                verdict = outcome.verdict
                 self.drafter.commit(sequence.draft_handle, verdict.accepted_path, verdict.emitted)
-            self._record(sequence, proposal, verdict)
-        committed = time.perf_counter()
-        for sequence in active:
-            sequence.stats.draft_s += drafted - started
-            sequence.stats.verify_s += verified - drafted
-            sequence.stats.state_s += committed - verified
+            self._record(sequence, proposal, outcome, drafted - started, time.perf_counter() - committed)
             if sequence.finish_reason is not None:
                 self._close(sequence)
 
@@ -174,35 +170,16 @@ class Engine:
         handles = [s.draft_handle for s in active]
         return self.drafter.propose(handles, [s.remaining - 1 for s in active])
 
-    def _verify(self, sequence: _Sequence, proposal: Proposal, logits: torch.Tensor) -> Verdict:
-        """Apply the acceptance rule to one sequence; ``logits`` [1 + N, V] from the target forward."""
-        request = sequence.request
-        eos_token_ids = frozenset() if request.ignore_eos else self.eos_token_ids
-        if request.params.greedy:  # the one-hot limit of the rule, without forming distributions
-            return verify_greedy(proposal.tree, logits, max_new_tokens=sequence.remaining, eos_token_ids=eos_token_ids)
-        target_probs = logits_to_probs(logits, request.params)
-        accept_uniforms = torch.rand(len(proposal.tree), generator=sequence.generator, dtype=torch.float64)
-        draw_uniform = float(torch.rand((), generator=sequence.generator, dtype=torch.float64))
-        return verify_reference(
-            proposal.tree,
-            target_probs,
-            proposal.draft_probs,
-            scheme=proposal.scheme,
-            accept_uniforms=accept_uniforms,
-            draw_uniform=draw_uniform,
-            eos_token_ids=eos_token_ids,
-            max_new_tokens=sequence.remaining,
-        )
-
-    def _record(self, sequence: _Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        stats = sequence.stats
+    def _record(
+        self, sequence: _Sequence, proposal: Proposal, outcome: VerifyOutcome, draft_s: float, drafter_commit_s: float
+    ) -> None:
+        stats, verdict = sequence.stats, outcome.verdict
         stats.rounds += 1
         stats.draft_tokens += len(proposal.tree)
         stats.accepted_tokens += verdict.num_accepted
         stats.count_accepted(verdict.num_accepted)
+        stats.draft_s += draft_s
+        stats.verify_s += outcome.verify_s
+        stats.state_s += outcome.commit_s + drafter_commit_s
         sequence.output.extend(verdict.emitted)
-        sequence.pending = verdict.emitted[-1:]
-        if sequence.output and not sequence.request.ignore_eos and sequence.output[-1] in self.eos_token_ids:
-            sequence.finish_reason = "stop"
-        elif sequence.remaining <= 0:
-            sequence.finish_reason = "length"
+        sequence.finish_reason = outcome.finish_reason

@@ -34,7 +34,11 @@ _NO_TREE = TokenTree.empty()
 
 @dataclass(frozen=True)
 class ForwardItem:
-    """One sequence's input to :meth:`KVRunner.forward`; the tree's top level hangs off ``pending[-1]``."""
+    """One sequence's input to :meth:`KVRunner.forward`; the tree's top level hangs off ``pending[-1]``.
+
+    ``pending`` may be empty when the sequence has committed KV and ``tree`` is not empty: the tree then
+    hangs off the last committed token, whose logits row the caller already holds (pipelined rounds).
+    """
 
     seq: int
     pending: Sequence[int]
@@ -164,7 +168,8 @@ class KVRunner:
         """Run pending tokens and trees of several sequences in one pass; write their K/V as scratch.
 
         Returns per item float32 logits ``[1 + N, V]``: the row at the last pending token, then one row
-        per tree node; with ``all_logits`` ``[m + N, V]`` (a row per pending token too).
+        per tree node; with ``all_logits`` ``[m + N, V]`` (a row per pending token too). An item without
+        pending tokens gets ``[N, V]``, the node rows only.
         """
         slots, tokens, positions = self._plan(items)
         for slot in slots:
@@ -176,7 +181,7 @@ class KVRunner:
             hidden = hidden + self._attention(index, layer.attn, _rms_norm(hidden, layer.input_norm), cos, sin, slots)
             hidden = hidden + layer.mlp(_rms_norm(hidden, layer.post_norm))
         rows = [
-            (slot.row if all_logits else slot.row + len(item.pending) - 1, slot.row + slot.size)
+            (slot.row if all_logits or not item.pending else slot.row + len(item.pending) - 1, slot.row + slot.size)
             for slot, item in zip(slots, items, strict=True)
         ]
         selected = hidden[rows[0][0] : rows[0][1]] if len(rows) == 1 else torch.cat([hidden[a:b] for a, b in rows])
@@ -239,8 +244,10 @@ class KVRunner:
         positions: list[int] = []
         for item in items:
             state, pending, tree = self._state(item.seq), len(item.pending), item.tree
-            if not pending:
-                raise InvalidArgumentError("pending", f"sequence {item.seq}: at least one pending token is needed")
+            if not pending and not (state.length and tree):
+                raise InvalidArgumentError(
+                    "pending", f"sequence {item.seq}: a pending token is needed, or committed KV and a tree"
+                )
             start, size = state.length, pending + len(tree)
             if start + pending + tree.max_depth() > self.max_seq_len:
                 raise CapacityError(

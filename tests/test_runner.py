@@ -190,6 +190,34 @@ def test_forward_leaves_length_and_uncommitted_scratch_is_overwritten() -> None:
     torch.testing.assert_close(out, hf_logits(loaded, [[1, 2, 3, 6, 0]])[0, 4:], atol=1e-5, rtol=0)
 
 
+def test_tree_off_the_last_committed_token_without_pending() -> None:
+    """Pipelined rounds: no pending token, the tree hangs off the last committed one; only node rows come back."""
+    loaded = tiny_llama(6)
+    runner = KVRunner(loaded.model)
+    seq, other = runner.open(), runner.open()
+    runner.forward([ForwardItem(seq, [1, 2, 3], TokenTree.chain([4, 5])), ForwardItem(other, [6, 0])])
+    runner.commit(seq, 3, [0, 1])  # the whole chain: its leaf 5 has KV, nothing is pending
+    runner.commit(other, 2)
+    tree = TokenTree((2, 7, 3, 1), (-1, -1, 0, 2))
+    out, other_out = runner.forward([ForwardItem(seq, [], tree), ForwardItem(other, [3], TokenTree.chain([1]))])
+    assert out.shape == (len(tree), loaded.vocab_size) and other_out.shape == (2, loaded.vocab_size)
+    committed = [1, 2, 3, 4, 5]
+    full = torch.cat([hf_logits(loaded, [committed])[0, -1:], out])  # the caller holds the root row
+    check_tree_logits(loaded, committed, tree, full, atol=1e-5)
+    check_tree_logits(loaded, [6, 0, 3], TokenTree.chain([1]), other_out, atol=1e-5)
+    runner.commit(seq, 0, [0, 2])  # a branch: nodes 0 and 2 (tokens 2, 3) are kept
+    runner.commit(other, 1, [0])
+    assert runner.length(seq) == 7
+    outs = runner.forward([ForwardItem(seq, [4]), ForwardItem(other, [2])], all_logits=True)
+    torch.testing.assert_close(outs[0], hf_logits(loaded, [[1, 2, 3, 4, 5, 2, 3, 4]])[0, 7:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outs[1], hf_logits(loaded, [[6, 0, 3, 1, 2]])[0, 4:], atol=1e-5, rtol=0)
+    fresh = runner.open()
+    with pytest.raises(InvalidArgumentError, match="pending"):
+        runner.forward([ForwardItem(fresh, [], tree)])  # nothing committed to hang off
+    with pytest.raises(InvalidArgumentError, match="pending"):
+        runner.forward([ForwardItem(seq, [])])  # nothing to run
+
+
 def test_open_close_and_sizes() -> None:
     runner = KVRunner(tiny_llama(0).model)
     first, second = runner.open(), runner.open()

@@ -1,0 +1,97 @@
+"""The verifier service's one frozen config, built once from the command line over ``SPECDEC_VERIFIER_*`` env vars."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.errors import InvalidArgumentError
+
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+ENV_PREFIX = "SPECDEC_VERIFIER_"
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """Everything a verifier process needs; every field is also ``--field-name`` and ``SPECDEC_VERIFIER_FIELD_NAME``.
+
+    ``max_batch_size`` caps the Verify calls that share one target forward: the scheduler takes every call
+    waiting when the previous batch ends (continuous batching, no waiting window). ``max_sequences`` bounds
+    the open sequences (beyond it OpenSequence answers RESOURCE_EXHAUSTED) and the queued Verify calls.
+    ``max_seq_len`` (0: the model's context) caps prompt + generated tokens of a sequence. ``max_workers``
+    (0: ``max_sequences + 8``) is the number of gRPC handler threads; a Verify call holds one while it waits.
+    ``world_size`` > 1 shards the model over that many tensor-parallel ranks; ``rank`` 0 serves. Both default
+    to the ``WORLD_SIZE`` / ``RANK`` a launcher such as ``torchrun`` sets.
+    """
+
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_size: int = 32
+    max_sequences: int = 256
+    max_seq_len: int = 0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_workers: int = 0
+    torch_threads: int = 0
+    grace_s: float = 5.0
+    world_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidArgumentError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.port < 65536:
+            raise InvalidArgumentError("port", f"must be in [0, 65536), got {self.port}")
+        if not 0 <= self.rank < self.world_size:
+            raise InvalidArgumentError("rank", f"must be in [0, world_size = {self.world_size}), got {self.rank}")
+        for name in ("max_batch_size", "max_sequences", "max_message_bytes", "world_size"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("max_seq_len", "max_workers", "torch_threads", "grace_s"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def handler_threads(self) -> int:
+        """gRPC handler threads: enough for every open sequence to wait on a Verify, plus a few for the rest."""
+        return self.max_workers or self.max_sequences + 8
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> VerifierConfig:
+        """Parse ``argv`` (default ``sys.argv[1:]``); unset flags fall back to ``SPECDEC_VERIFIER_*``, then defaults."""
+        environ = os.environ if environ is None else environ
+        defaults = {field.name: field.default for field in fields(cls)}
+        parser = argparse.ArgumentParser(prog="python -m verifier_service", description="Serve a target model.")
+
+        def option(name: str, cast: Callable[[str], Any], help_text: str, env_name: str = "") -> None:
+            env_name = env_name or ENV_PREFIX + name.upper()
+            default = cast(environ[env_name]) if env_name in environ else defaults[name]
+            parser.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                type=cast,
+                default=default,
+                help=f"{help_text} (env {env_name})",
+            )
+
+        option("model", str, "target model: alias, GGUF file, local directory or hub id")
+        option("host", str, "address to listen on")
+        option("port", int, "port to listen on (0: any free port)")
+        option("device", str, "torch device of the model")
+        option("dtype", str, f"model precision: {', '.join(DTYPES)}")
+        option("max_batch_size", int, "most Verify calls in one target forward")
+        option("max_sequences", int, "open sequences before OpenSequence answers RESOURCE_EXHAUSTED")
+        option("max_seq_len", int, "context length per sequence (0: the model's)")
+        option("max_message_bytes", int, "largest gRPC message accepted or sent")
+        option("max_workers", int, "gRPC handler threads (0: max_sequences + 8)")
+        option("torch_threads", int, "torch intra-op threads (0: torch's default)")
+        option("grace_s", float, "seconds in-flight calls get to finish on SIGTERM")
+        option("world_size", int, "tensor-parallel ranks", env_name="WORLD_SIZE")
+        option("rank", int, "this process's rank (0 serves gRPC)", env_name="RANK")
+        return cls(**vars(parser.parse_args(argv)))

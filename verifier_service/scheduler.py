@@ -1,0 +1,219 @@
+"""Continuous batching: one thread owns the BatchVerifier; Verify calls that wait together share one forward.
+
+gRPC handlers never touch the model: they submit a job and wait on its Future. The scheduler thread takes
+every job queued when it is free, gathers the Verify jobs into ``BatchVerifier.verify`` calls (at most
+``max_batch_size`` each, one call per sequence) and runs OpenSequence / CloseSequence / Status jobs in between,
+so the runner and all torch work stay on one thread. Jobs of one sequence run in arrival order: a pending
+batch is run before a job for a sequence it already holds. A call that fails its own checks fails alone; the
+rest of its batch goes on. A job whose caller has gone (Future cancelled) before it starts is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.errors import CapacityError, SpecdecError
+from specdec.sampling import SamplingParams
+from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
+
+LOG = logging.getLogger(__name__)
+
+
+class SchedulerStoppedError(SpecdecError):
+    """The verifier is shutting down; the call was not run (mapped to UNAVAILABLE by the servicer)."""
+
+
+@dataclass(frozen=True)
+class SchedulerStatus:
+    """A consistent snapshot, taken on the scheduler thread."""
+
+    open_sequences: int
+    runner_sequences: int
+    verify_calls: int  # Verify jobs answered
+    batches: int  # BatchVerifier.verify calls that answered them
+    max_batch: int  # most Verify jobs in one forward
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Any call but Verify; ``sequence_id`` (empty: none) orders it against a pending batch."""
+
+    sequence_id: str
+    run: Callable[[], Any]
+    future: Future
+
+
+@dataclass(frozen=True)
+class _VerifyJob:
+    call: VerifyCall
+    future: Future  # -> VerifyOutcome
+
+
+_STOP = object()
+
+
+class VerifyScheduler:
+    """Serialises every call on ``verifier`` onto one thread and batches Verify calls.
+
+    At most ``max_queued`` Verify calls wait at once; beyond that :meth:`verify` raises CapacityError.
+    """
+
+    def __init__(self, verifier: BatchVerifier, *, max_batch_size: int, max_queued: int) -> None:
+        self.verifier = verifier
+        self.max_batch_size = max_batch_size
+        self.max_queued = max_queued
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _queued and _stopped
+        self._queued = 0
+        self._stopped = False
+        self._calls = self._batches = self._max_batch = 0  # scheduler thread only
+        self._thread = threading.Thread(target=self._loop, name="verifier-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Run every job submitted before, fail later ones (SchedulerStoppedError), then close every sequence."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        for sequence_id in self.verifier.sequence_ids():
+            self.verifier.close(sequence_id)
+
+    # --- called from handler threads; each returns a Future ---------------------------------------------------
+
+    def open(
+        self,
+        sequence_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        seed: int | None,
+        max_tokens: int,
+        eos_token_ids: Collection[int],
+        ignore_eos: bool,
+        logprobs: bool,
+    ) -> Future:
+        """:meth:`BatchVerifier.open` on the scheduler thread; -> None."""
+
+        def run() -> None:
+            self.verifier.open(
+                sequence_id,
+                prompt_ids,
+                params,
+                seed,
+                max_tokens,
+                eos_token_ids,
+                ignore_eos=ignore_eos,
+                logprobs=logprobs,
+            )
+
+        return self._submit(_Job(sequence_id, run, Future()))
+
+    def verify(self, call: VerifyCall) -> Future:
+        """Verify ``call`` in the next batch; -> :class:`VerifyOutcome`."""
+        with self._lock:  # the count is only read while serving; after stop the job fails at once
+            if self._queued >= self.max_queued:
+                raise CapacityError(f"{self.max_queued} Verify calls are already waiting; retry shortly")
+            self._queued += 1
+        return self._submit(_VerifyJob(call, Future()))
+
+    def close(self, sequence_id: str) -> Future:
+        """Free ``sequence_id`` (unknown ids are fine); -> None."""
+        return self._submit(_Job(sequence_id, lambda: self.verifier.close(sequence_id), Future()))
+
+    def status(self) -> Future:
+        """-> :class:`SchedulerStatus`."""
+
+        def run() -> SchedulerStatus:
+            verifier = self.verifier
+            return SchedulerStatus(
+                verifier.num_open, verifier.runner.num_open, self._calls, self._batches, self._max_batch
+            )
+
+        return self._submit(_Job("", run, Future()))
+
+    def _submit(self, job: _Job | _VerifyJob) -> Future:
+        """Queue ``job``; once stopping, its Future fails at once with SchedulerStoppedError."""
+        with self._lock:
+            if not self._stopped:
+                self._queue.put(job)
+                return job.future
+        job.future.set_exception(SchedulerStoppedError("the verifier is shutting down"))
+        return job.future
+
+    # --- the scheduler thread ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            jobs = [self._queue.get()]
+            while not self._queue.empty():
+                jobs.append(self._queue.get_nowait())
+            if jobs[-1] is _STOP:  # nothing is submitted after it
+                self._run(jobs[:-1])
+                return
+            self._run(jobs)
+
+    def _run(self, jobs: list[_Job | _VerifyJob]) -> None:
+        """Run ``jobs`` in arrival order per sequence; Verify jobs batched (one per sequence per batch)."""
+        batch: list[_VerifyJob] = []
+        for job in jobs:
+            if isinstance(job, _VerifyJob):
+                with self._lock:
+                    self._queued -= 1
+                if len(batch) == self.max_batch_size or any(j.call.sequence_id == job.call.sequence_id for j in batch):
+                    self._run_batch(batch)
+                    batch = []
+                batch.append(job)
+                continue
+            if job.sequence_id and any(j.call.sequence_id == job.sequence_id for j in batch):
+                self._run_batch(batch)
+                batch = []
+            if job.future.set_running_or_notify_cancel():
+                _settle(job.future, job.run)
+        if batch:
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[_VerifyJob]) -> None:
+        """One ``verify`` over the jobs still wanted whose calls pass their checks; the others fail alone."""
+        ready = []
+        for job in batch:
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                self.verifier.check(job.call)
+            except Exception as error:  # delivered to this caller; the interceptor maps it to a status
+                job.future.set_exception(error)
+                continue
+            ready.append(job)
+        if not ready:
+            return
+        try:
+            outcomes: list[VerifyOutcome] = self.verifier.verify([job.call for job in ready])
+        except Exception as error:  # delivered to every caller of the batch
+            if not isinstance(error, SpecdecError):
+                LOG.exception("verify failed for a batch of %d", len(ready))
+            for job in ready:
+                job.future.set_exception(error)
+            return
+        self._calls += len(ready)
+        self._batches += 1
+        self._max_batch = max(self._max_batch, len(ready))
+        for job, outcome in zip(ready, outcomes, strict=True):
+            job.future.set_result(outcome)
+
+
+def _settle(future: Future, run: Callable[[], Any]) -> None:
+    """Run ``run`` and deliver its result or error to ``future`` (errors are the caller's to map)."""
+    try:
+        future.set_result(run())
+    except Exception as error:
+        future.set_exception(error)

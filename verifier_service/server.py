@@ -1,0 +1,80 @@
+"""Verifier process wiring: target model → KVRunner → BatchVerifier → scheduler thread → gRPC server with health."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
+
+from grpc_common.server import RunningServer, start_server
+from specdec.models import LoadedModel, load_model
+from specdec.runner import KVRunner
+from specdec.verification import BatchVerifier, Runner
+from verifier_service.config import VerifierConfig
+from verifier_service.scheduler import VerifyScheduler
+from verifier_service.servicer import VerifierServicer
+
+LOG = logging.getLogger(__name__)
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  # "specdec.v1.Verifier"
+
+
+@dataclass
+class RunningVerifier:
+    """A serving verifier: ``address`` to dial, ``stop()`` to drain and free everything."""
+
+    server: RunningServer
+    scheduler: VerifyScheduler
+    config: VerifierConfig
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Health NOT_SERVING, let in-flight calls finish for ``grace_s`` (default: the config's), free all KV."""
+        self.server.stop(self.config.grace_s if grace_s is None else grace_s)
+        self.scheduler.stop()
+
+    def __enter__(self) -> RunningVerifier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def start_verifier(config: VerifierConfig, *, model: LoadedModel | None = None) -> RunningVerifier:
+    """Build the batch verifier on one process, start its scheduler thread and serve it on ``config.host:config.port``.
+
+    ``model`` lets tests and co-located deployments share a target already in memory; otherwise
+    ``config.model`` is loaded in ``config.dtype`` on ``config.device``.
+    """
+    if model is None:
+        model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
+    return serve(config, KVRunner(model.model, max_seq_len=config.max_seq_len or None), model)
+
+
+def serve(config: VerifierConfig, runner: Runner, model: LoadedModel) -> RunningVerifier:
+    """Serve ``runner`` (a :class:`KVRunner` over ``model``, or rank 0's broadcasting one under tensor parallelism)."""
+    verifier = BatchVerifier(runner, max_sequences=config.max_sequences)
+    scheduler = VerifyScheduler(verifier, max_batch_size=config.max_batch_size, max_queued=config.max_sequences)
+    scheduler.start()
+    servicer = VerifierServicer(
+        scheduler, model_name=model.name, eos_token_ids=model.eos_token_ids, world_size=config.world_size
+    )
+    try:
+        server = start_server(
+            lambda grpc_server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, grpc_server),
+            [SERVICE_NAME],
+            host=config.host,
+            port=config.port,
+            max_workers=config.handler_threads,
+            max_message_bytes=config.max_message_bytes,
+        )
+    except BaseException:
+        scheduler.stop()
+        raise
+    LOG.info("verifier for %s (%d ranks) serving on %s", model.name, config.world_size, server.address)
+    return RunningVerifier(server, scheduler, config)
