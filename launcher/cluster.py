@@ -15,9 +15,6 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from launcher.actors import ServiceActor
 
 NAMESPACE = "specdec"
@@ -106,6 +103,9 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
 
 def health(address: str, timeout_s: float = 2.0) -> str:
     """grpc.health.v1 status of ``address``: SERVING, NOT_SERVING, ... or UNREACHABLE."""
+    import grpc  # here, so that `specdec generate` (which imports this package's CLI) stays gRPC-free
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)

@@ -11,6 +11,7 @@ import sys
 
 from transformers.utils import logging as transformers_logging
 
+from launcher import cli as launcher_cli
 from specdec.drafters import DRAFTER_KINDS, DraftConfig, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
 from specdec.errors import InvalidArgumentError, SpecdecError
@@ -202,12 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _generate_parser(subparsers)
+    launcher_cli.add_parsers(subparsers)
     args = parser.parse_args(argv)
     quiet_model_loading()
     try:
-        return _run_generate(args)
-    except SpecdecError as error:
-        print(f"specdec: error: {error}", file=sys.stderr)
+        if args.command == "generate":
+            return _run_generate(args)
+        return launcher_cli.run(args)
+    except (SpecdecError, OSError, RuntimeError, ValueError) as error:
+        message = " ".join(str(error).split()) if args.command == "generate" else str(error)
+        print(f"specdec: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,74 @@
+"""Run inside a private network namespace by tests/test_launcher.py: up, generate, status, down.
+
+Prints one JSON object: the router's addresses, greedy token ids per drafter kind and speculation
+mode through the SDK, the HTTP completion's text, `specdec status --json`, and whether `down`
+removed the deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+from specdec.client import Client
+
+PROMPTS = ["Write a Python function that reverses a string.", "Repeat exactly: one two three, one two three."]
+MAX_TOKENS = 24
+
+
+def specdec(*args: str) -> str:
+    command = [sys.executable, "-m", "specdec.cli", *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} exited {run.returncode}: {run.stderr[-3000:]}")
+    return run.stdout
+
+
+def main() -> None:
+    kinds = sys.argv[1:]
+    drafter_flags = [flag for kind in kinds for flag in ("--drafter-kind", kind)]
+    up = json.loads(specdec("up", "--num-cpus", "2", *drafter_flags, "--verifier-arg=--torch-threads=1"))
+    report: dict = {"up": up, "sdk": {}}
+    try:
+        with Client(up["router"]["grpc"], timeout_s=300) as client:
+            for kind in ["none", *kinds]:
+                for mode in ("sequential", "pipelined") if kind != "none" else ("off",):
+                    outputs = [
+                        client.generate(
+                            prompt,
+                            chat=True,
+                            max_tokens=MAX_TOKENS,
+                            temperature=0,
+                            ignore_eos=True,
+                            drafter=kind,
+                            speculation=mode,
+                        ).token_ids
+                        for prompt in PROMPTS
+                    ]
+                    report["sdk"][f"{kind}/{mode}"] = outputs
+        body = json.dumps(
+            {
+                "model": "smollm2-135m",
+                "messages": [{"role": "user", "content": PROMPTS[0]}],
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"http://{up['router']['http']}/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            report["http_text"] = json.loads(response.read())["choices"][0]["message"]["content"]
+        report["status"] = json.loads(specdec("status", "--json"))
+    finally:
+        specdec("down")
+    report["state_removed"] = not os.path.exists(os.environ["SPECDEC_STATE_FILE"])
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

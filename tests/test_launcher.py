@@ -1,0 +1,67 @@
+"""`specdec up` / `status` / `down` on an embedded Ray instance, driven through the SDK and HTTP.
+
+Ray addresses its processes by the node's IP; the whole exercise runs in a private network
+namespace (``unshare -n`` with only loopback up) so every byte stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.cli import encode_prompt
+from specdec.engine import Engine, GenerationRequest
+from specdec.runner import KVRunner
+from specdec.sampling import SamplingParams
+from tests.launcher_driver import MAX_TOKENS, PROMPTS
+from tests.tiny_models import smollm2
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _can_isolate_network() -> bool:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_isolate_network(), reason="needs `unshare -n` (root) to keep Ray on loopback")
+def test_up_generate_status_down(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "SPECDEC_STATE_FILE": str(tmp_path / "cluster.json"),
+        "HF_HUB_OFFLINE": "1",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": str(ROOT),
+    }
+    script = f"ip link set lo up && exec {sys.executable} -m tests.launcher_driver ngram early-exit model"
+    run = subprocess.run(
+        ["unshare", "-n", "bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+
+    target = smollm2()
+    engine = Engine(KVRunner(target.model), target.eos_token_ids)
+    requests = [
+        GenerationRequest(encode_prompt(target, prompt, chat=True), SamplingParams(0.0), MAX_TOKENS, ignore_eos=True)
+        for prompt in PROMPTS
+    ]
+    expected = [result.token_ids for result in engine.generate(requests)]
+    for name, outputs in report["sdk"].items():
+        assert outputs == expected, f"{name} differs from co-located target-only greedy"
+    assert set(report["sdk"]) == {"none/off"} | {
+        f"{k}/{m}" for k in ("ngram", "early-exit", "model") for m in ("sequential", "pipelined")
+    }
+    assert report["http_text"] == target.tokenizer.decode(expected[0], skip_special_tokens=True)
+    assert report["status"]["router"]["health"] == "SERVING"
+    assert [w["health"] for w in report["status"]["workers"]] == ["SERVING"] * 4
+    assert report["state_removed"]
