@@ -74,10 +74,11 @@ def sampled_law(engine: Engine, params: SamplingParams, max_tokens: int, stop_at
 
 def assert_same_law(counts: Counter, law: dict[tuple[int, ...], float]) -> None:
     assert set(counts) <= {outcome for outcome, prob in law.items() if prob > 0}, "emitted an impossible sequence"
-    expected = {outcome: prob * SAMPLES for outcome, prob in law.items()}
+    samples = sum(counts.values())
+    expected = {outcome: prob * samples for outcome, prob in law.items()}
     big = [outcome for outcome, value in expected.items() if value >= 5]
-    observed = [counts[outcome] for outcome in big] + [SAMPLES - sum(counts[outcome] for outcome in big)]
-    predicted = [expected[outcome] for outcome in big] + [SAMPLES - sum(expected[outcome] for outcome in big)]
+    observed = [counts[outcome] for outcome in big] + [samples - sum(counts[outcome] for outcome in big)]
+    predicted = [expected[outcome] for outcome in big] + [samples - sum(expected[outcome] for outcome in big)]
     if predicted[-1] < 1e-6:
         observed, predicted = observed[:-1], predicted[:-1]
     total = sum(predicted)  # the law is computed in float32 softmaxes: rescale away rounding

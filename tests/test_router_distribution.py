@@ -1,0 +1,87 @@
+"""Sampling through the full gRPC path follows the target's exact law (chains and trees, pipelined or not).
+
+Tiny random Llama target (vocabulary 5) and a related draft behind a real verifier service, a model
+drafter service and the router, all on loopback. Seeded requests go through the SDK; the law of
+the first ``LENGTH`` tokens must match the law enumerated from the target model itself (chi-square,
+significance 1e-3; fixed seeds, so the test is deterministic up to thread interleaving, which
+batches differently but does not change any sequence's random numbers).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from drafter_service.config import DrafterConfig
+from drafter_service.server import start_drafter
+from router.config import RouterConfig
+from router.server import start_router
+from specdec.client import Client
+from specdec.sampling import SamplingParams
+from tests.test_end_to_end_distribution import LENGTH, PROMPT, VOCAB, _outcome, assert_same_law, exact_law
+from tests.tiny_models import tiny_draft, tiny_llama
+from verifier_service.config import VerifierConfig
+from verifier_service.server import start_verifier
+
+SAMPLES = 1500
+PARAMS = SamplingParams(temperature=1.0, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=11, vocab_size=VOCAB, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def router_address(target) -> Iterator[str]:
+    draft = tiny_draft(target, seed=12, num_layers=1, noise=0.3)
+    verifier = start_verifier(VerifierConfig(), model=target)
+    drafter = start_drafter(DrafterConfig(kind="model", draft_model=draft.name), target=target, draft=draft)
+    router = start_router(
+        RouterConfig(
+            model=target.name,
+            verifiers=(verifier.address,),
+            drafters=(drafter.address,),
+            grpc_port=0,
+            http_port=0,
+            eos_token_ids=tuple(target.eos_token_ids),
+            max_concurrent_requests=32,
+        )
+    )
+    yield router.grpc_address
+    router.stop(0.5)
+    drafter.stop(0)
+    verifier.stop(0)
+
+
+def sample_law(address: str, speculation: str, tree_width: int, seed: int) -> Counter:
+    def one(index: int) -> tuple[int, ...]:
+        with Client(address, timeout_s=60) as client:
+            result = client.generate(
+                prompt_ids=PROMPT,
+                max_tokens=LENGTH + 2,
+                temperature=PARAMS.temperature,
+                top_p=PARAMS.top_p,
+                seed=seed + index,
+                ignore_eos=True,
+                drafter="model",
+                speculation=speculation,
+                num_draft_tokens=2 if tree_width > 1 else 3,
+                tree_width=tree_width,
+            )
+        return _outcome(result.token_ids, frozenset())
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return Counter(pool.map(one, range(SAMPLES)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("speculation", "tree_width"), [("sequential", 1), ("pipelined", 1), ("sequential", 2), ("pipelined", 2)]
+)
+def test_grpc_path_follows_the_target_law(router_address: str, target, speculation: str, tree_width: int) -> None:
+    counts = sample_law(router_address, speculation, tree_width, seed=70_000 + 10_000 * tree_width)
+    assert_same_law(counts, exact_law(target, PARAMS, stop_at_eos=False))
