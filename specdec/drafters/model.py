@@ -105,7 +105,7 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
             items = [ForwardItem(d.sequence.runner_seq, self._pending(d.sequence), d.tree) for d in growing]
             for draft, logits in zip(growing, self.runner.forward(items), strict=True):
                 draft.forwarded_nodes = len(draft.tokens)
-                self._grow(draft, logits)
+                self._grow(draft, logits, levels_left=draft.levels - depth)
         proposals = []
         for draft in drafts:
             tree = draft.tree
@@ -118,11 +118,14 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
         """The text after the runner's committed KV: the next forward's first input (never empty)."""
         return sequence.text[self.runner.length(sequence.runner_seq) :]
 
-    def _grow(self, draft: _Draft, logits: torch.Tensor) -> None:
+    def _grow(self, draft: _Draft, logits: torch.Tensor, levels_left: int) -> None:
         """Add one level of children under the frontier; ``logits`` [1 + N, V] from the forward.
 
         The most probable frontier nodes (by draft path probability) are expanded first, so the
-        node budget goes where acceptance is likeliest.
+        node budget goes where acceptance is likeliest; each level gets at most its share of the
+        remaining budget (``room // levels_left``, at least one node), so the tree reaches the
+        configured depth: width 2, depth 3, budget 6 gives two children at every level, under
+        the most probable node of the level above.
         """
         sequence = draft.sequence
         config = sequence.config
@@ -131,11 +134,14 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
         rows = logits_to_probs(node_logits, sequence.params.with_top_k_cap(config.draft_top_k))
         ranking = torch.softmax(node_logits.float(), dim=-1) if sequence.params.greedy else rows
         new_frontier = []
+        level_room = max(1, (draft.budget - len(draft.tokens)) // levels_left)
         for node, row_logits, q, rank in zip(expand, node_logits, rows, ranking, strict=True):
-            room = draft.budget - len(draft.tokens)
-            if room <= 0:
+            count = min(config.tree_width, level_room, draft.budget - len(draft.tokens))
+            if count <= 0:
                 break
-            for token in self._children(row_logits, q, min(config.tree_width, room), sequence):
+            children = self._children(row_logits, q, count, sequence)
+            level_room -= len(children)
+            for token in children:
                 draft.tokens.append(token)
                 draft.parents.append(node)
                 draft.rows.append(q)
