@@ -1,0 +1,133 @@
+"""The disaggregated benchmark's pure maths and report, on hand-made stats (no model, no servers)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.disaggregated import (
+    RequestRecord,
+    Run,
+    exposed_draft_fraction,
+    interleave_categories,
+    mark_batch_timing,
+    markdown,
+    summarize,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+META = {
+    "target": "tiny",
+    "date": "2026-01-01 00:00 UTC",
+    "cpu": "test CPU",
+    "cpus": 2,
+    "load_before": "0.00/0.00/0.00",
+    "load_after": "0.00/0.00/0.00",
+    "python": "3.11",
+    "torch": "x",
+    "transformers": "y",
+    "grpcio": "z",
+    "max_tokens": 8,
+    "num_draft_tokens": 4,
+    "num_prompts": 2,
+    "categories": ["code"],
+    "streams": [1],
+    "threads": {"colocated": 1, "verifier": 1, "drafter": 1},
+}
+
+
+def test_the_pure_helpers_load_without_torch() -> None:
+    check = "import sys, bench.disaggregated; assert 'torch' not in sys.modules and 'grpc' not in sys.modules"
+    subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True, timeout=30)
+
+
+def test_exposed_draft_is_all_of_it_unless_pipelined() -> None:
+    assert exposed_draft_fraction("off", 10, 0, 0) == 1.0
+    assert exposed_draft_fraction("sequential", 10, 0, 0) == 1.0
+    # 10 rounds, 4 fed by a pre-drafted chain: 6 fresh proposals out of 6 + (4 + 3) pre-drafts = 13 in all.
+    assert exposed_draft_fraction("pipelined", 10, 4, 3) == pytest.approx(6 / 13)
+    assert exposed_draft_fraction("pipelined", 0, 0, 0) == 0.0
+
+
+def test_summary_of_a_sequential_run() -> None:
+    # Two requests: 12 tokens in 4 rounds and 6 tokens in 2 rounds -> E[N] = 3.
+    records = [
+        RequestRecord(0, [1] * 12, e2e_s=0.40, rounds=4, draft_tokens=16, accepted_tokens=8, draft_s=0.008,
+                      verify_s=0.320, state_s=0.004, wire_bytes=400, ttft_s=0.1),
+        RequestRecord(1, [2] * 6, e2e_s=0.20, rounds=2, draft_tokens=8, accepted_tokens=4, draft_s=0.004,
+                      verify_s=0.160, state_s=0.002, wire_bytes=200, ttft_s=0.3),
+    ]  # fmt: skip
+    run = Run("disaggregated", "sequential", 1, records, wall_s=0.60)
+    summary = summarize(run, reference=[[1] * 12, [9] * 6])
+    assert summary.tokens == 18
+    assert summary.tokens_per_s == pytest.approx(30.0)
+    assert summary.tokens_per_round == pytest.approx(3.0)
+    assert summary.mean_accepted_length == pytest.approx(1 + 12 / 6)
+    assert summary.acceptance_rate == pytest.approx(12 / 24)
+    assert summary.draft_ms_per_round == pytest.approx(2.0)
+    assert summary.verify_ms_per_round == pytest.approx(80.0)
+    assert summary.state_ms_per_round == pytest.approx(1.0)
+    assert summary.wall_ms_per_round == pytest.approx(100.0)
+    assert summary.wire_bytes_per_round == pytest.approx(100.0)
+    # Sequential: the verifier waited for all of the draft.
+    assert summary.overhead_ms_per_round == pytest.approx(100.0 - 2.0 - 80.0 - 1.0)
+    assert summary.ms_per_token == pytest.approx(100.0 / 3)
+    assert summary.bound_ms_per_token == pytest.approx(81.0 / 3)
+    assert summary.ratio_to_bound == pytest.approx(100.0 / 81.0)
+    assert summary.pipeline_hit_rate is None
+    assert summary.ttft_ms_median == pytest.approx(200.0)
+    assert summary.same_as_reference == 1
+
+
+def test_pipelined_overhead_subtracts_only_the_fresh_drafts() -> None:
+    record = RequestRecord(0, [5] * 20, e2e_s=1.0, rounds=10, draft_s=0.130, verify_s=0.5, state_s=0.0,
+                           pipeline_hits=4, pipeline_misses=3)  # fmt: skip
+    summary = summarize(Run("disaggregated", "pipelined", 1, [record], wall_s=1.0))
+    assert summary.pipeline_hit_rate == pytest.approx(4 / 7)
+    exposed = 13.0 * 6 / 13  # 13 ms of draft per round, 6 of 13 proposals on the critical path
+    assert summary.exposed_draft_ms_per_round == pytest.approx(exposed)
+    assert summary.overhead_ms_per_round == pytest.approx(100.0 - exposed - 50.0)
+    assert summary.bound_ms_per_token == pytest.approx(50.0 / 2)
+    assert summary.same_as_reference == 0  # no reference given
+
+
+def test_a_static_batch_is_timed_by_its_longest_stream() -> None:
+    records = [
+        RequestRecord(0, [1] * 4, e2e_s=0.0, rounds=4, verify_s=0.2),
+        RequestRecord(1, [1] * 8, e2e_s=0.0, rounds=8, verify_s=0.4),
+    ]
+    mark_batch_timing(records, elapsed_s=0.5)
+    assert [r.timed for r in records] == [False, True]
+    assert [r.e2e_s for r in records] == [0.5, 0.5]
+    summary = summarize(Run("co-located", "off", 2, records, wall_s=0.5))
+    assert summary.wall_ms_per_round == pytest.approx(500.0 / 8)
+    assert summary.verify_ms_per_round == pytest.approx(50.0)
+    assert summary.tokens_per_s == pytest.approx(24.0)
+    assert summary.wire_bytes_per_round is None
+
+
+def test_no_completed_round_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no timed request"):
+        summarize(Run("disaggregated", "off", 1, [RequestRecord(0, [], e2e_s=0.1, rounds=0)], wall_s=0.1))
+
+
+def test_prompts_take_categories_in_turn() -> None:
+    rows = [{"category": c} for c in ("code", "code", "chat", "rewrite", "chat")]
+    assert [index for index, _ in interleave_categories(rows, None)] == [0, 2, 3, 1, 4]
+    assert [index for index, _ in interleave_categories(rows, 2)] == [0, 2]
+
+
+def test_report_rows_and_verdict() -> None:
+    same = RequestRecord(0, [1, 2], e2e_s=0.1, rounds=2, verify_s=0.08)
+    differs = RequestRecord(0, [1, 3], e2e_s=0.1, rounds=1, verify_s=0.08, accepted_tokens=1)
+    runs = [Run("co-located", "off", 1, [same], 0.1), Run("disaggregated", "sequential", 1, [differs], 0.1)]
+    reference = [[1, 2]]
+    report = markdown([summarize(run, reference) for run in runs], META)
+    assert "| 1 | co-located target-only | 2 |" in report
+    assert "| 1 | disaggregated sequential (ngram) | 2 |" in report
+    assert "every configuration: **NO**" in report
+    assert "overhead ms/round** = wall ms/round − exposed draft" in report
+    assert report.count("\n| 1 |") == 2
