@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc
@@ -11,7 +10,7 @@ from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_service.config import DrafterConfig
 from drafter_service.scheduler import DraftScheduler
 from drafter_service.servicer import DrafterServicer
-from grpc_common.server import RunningServer, start_server
+from grpc_common.server import RunningService, start_server
 from specdec.drafters import Drafter, build_drafter, default_early_exit_layers
 from specdec.models import LoadedModel, load_model
 
@@ -20,28 +19,7 @@ LOG = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # "specdec.v1.Drafter"
 
 
-@dataclass
-class RunningDrafter:
-    """A serving drafter: ``address`` to dial, ``stop()`` to drain and free everything."""
-
-    server: RunningServer
-    scheduler: DraftScheduler
-    config: DrafterConfig
-
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-    def stop(self, grace_s: float | None = None) -> None:
-        """Health NOT_SERVING, let in-flight calls finish for ``grace_s`` (default: the config's), close sequences."""
-        self.server.stop(self.config.grace_s if grace_s is None else grace_s)
-        self.scheduler.stop()
-
-    def __enter__(self) -> RunningDrafter:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+RunningDrafter = RunningService[DraftScheduler, DrafterConfig]
 
 
 def build_core_drafter(

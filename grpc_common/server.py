@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,6 +31,48 @@ class RunningServer:
     def stop(self, grace_s: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+
+
+class Scheduler(Protocol):
+    """The thread that owns a worker's model state; stopping it frees every sequence."""
+
+    def stop(self) -> None: ...
+
+
+class ServiceConfig(Protocol):
+    """What the wrapper needs of a service's config."""
+
+    @property
+    def grace_s(self) -> float: ...
+
+
+SchedulerT = TypeVar("SchedulerT", bound=Scheduler)
+ConfigT = TypeVar("ConfigT", bound=ServiceConfig)
+
+
+@dataclass
+class RunningService(Generic[SchedulerT, ConfigT]):
+    """A serving worker: ``address`` to dial, ``stop()`` to drain it and free everything."""
+
+    server: RunningServer
+    scheduler: SchedulerT
+    config: ConfigT
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Health NOT_SERVING, in-flight calls get ``grace_s`` (default: the service's) to finish, then the
+        scheduler stops and frees every sequence."""
+        self.server.stop(self.config.grace_s if grace_s is None else grace_s)
+        self.scheduler.stop()
+
+    def __enter__(self) -> RunningService[SchedulerT, ConfigT]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
 def start_server(

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
 
-from grpc_common.server import RunningServer, start_server
+from grpc_common.server import RunningService, start_server
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
 from specdec.verification import BatchVerifier, Runner
@@ -21,28 +20,7 @@ LOG = logging.getLogger(__name__)
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  # "specdec.v1.Verifier"
 
 
-@dataclass
-class RunningVerifier:
-    """A serving verifier: ``address`` to dial, ``stop()`` to drain and free everything."""
-
-    server: RunningServer
-    scheduler: VerifyScheduler
-    config: VerifierConfig
-
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-    def stop(self, grace_s: float | None = None) -> None:
-        """Health NOT_SERVING, let in-flight calls finish for ``grace_s`` (default: the config's), free all KV."""
-        self.server.stop(self.config.grace_s if grace_s is None else grace_s)
-        self.scheduler.stop()
-
-    def __enter__(self) -> RunningVerifier:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+RunningVerifier = RunningService[VerifyScheduler, VerifierConfig]
 
 
 def start_verifier(config: VerifierConfig, *, model: LoadedModel | None = None) -> RunningVerifier:
@@ -59,7 +37,12 @@ def start_verifier(config: VerifierConfig, *, model: LoadedModel | None = None) 
 def serve(config: VerifierConfig, runner: Runner, model: LoadedModel) -> RunningVerifier:
     """Serve ``runner`` (a :class:`KVRunner` over ``model``, or rank 0's broadcasting one under tensor parallelism)."""
     verifier = BatchVerifier(runner, max_sequences=config.max_sequences)
-    scheduler = VerifyScheduler(verifier, max_batch_size=config.max_batch_size, max_queued=config.max_sequences)
+    scheduler = VerifyScheduler(
+        verifier,
+        max_batch_size=config.max_batch_size,
+        max_queued=config.max_sequences,
+        batch_wait_s=config.batch_wait_ms / 1000,
+    )
     scheduler.start()
     servicer = VerifierServicer(
         scheduler, model_name=model.name, eos_token_ids=model.eos_token_ids, world_size=config.world_size
