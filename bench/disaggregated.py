@@ -454,6 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--colocated-threads", type=int, default=1, help="torch threads of the co-located engine")
     parser.add_argument("--verifier-threads", type=int, default=1, help="torch threads of the verifier service")
     parser.add_argument("--drafter-threads", type=int, default=1, help="torch threads of the drafter service")
+    parser.add_argument(
+        "--verifier-batch-wait-ms", type=float, help="the verifier's --batch-wait-ms (default: the verifier's own)"
+    )
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
     parser.add_argument(
         "--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "specdec-bench", help="services' stderr logs"
@@ -486,7 +489,8 @@ def main(argv: list[str] | None = None) -> None:
         verifier = services.spawn(
             "verifier",
             "verifier_service",
-            ["--model", args.target, "--dtype", "float32", "--torch-threads", str(args.verifier_threads)],
+            ["--model", args.target, "--dtype", "float32", "--torch-threads", str(args.verifier_threads)]
+            + ([] if args.verifier_batch_wait_ms is None else ["--batch-wait-ms", str(args.verifier_batch_wait_ms)]),
         )
         drafter = services.spawn(
             "drafter",

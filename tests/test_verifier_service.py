@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from verifier_service.server import SERVICE_NAME, RunningVerifier, start_verifie
 VOCAB = 8
 GREEDY = SamplingParams(temperature=0.0)
 TIMEOUT_S = 30
+PROMPT_S = 10  # far below a batch window a test sets, so a call that waited it out fails the test
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +298,46 @@ def test_scheduler_batches_what_waits_and_a_bad_call_fails_alone(target) -> None
     assert isinstance(scheduler.status().exception(TIMEOUT_S), SchedulerStoppedError)
 
 
+def test_batch_window_gathers_late_calls_and_never_delays_a_lone_sequence(target) -> None:
+    """A window far longer than the test: a batch that cannot grow is run at once, so only the batch sizes and
+    a prompt answer depend on the window, never the timing."""
+    window_s = 120.0
+    good = Proposal(TokenTree.chain([3]), None)
+
+    def scheduler_with(names: str, max_batch_size: int = 8) -> VerifyScheduler:
+        scheduler = VerifyScheduler(
+            BatchVerifier(KVRunner(target.model)), max_batch_size=max_batch_size, max_queued=8, batch_wait_s=window_s
+        )
+        scheduler.start()
+        for name in names:
+            scheduler.open(name, [1, 2], GREEDY, 0, 4, frozenset(), True, False).result(PROMPT_S)
+        return scheduler
+
+    def batch_size(future) -> int:
+        return future.result(PROMPT_S).batch_size
+
+    alone = scheduler_with("s")  # one open sequence: its Verify completes the batch
+    assert batch_size(alone.verify(VerifyCall("s", good))) == 1
+    alone.stop()
+
+    late = scheduler_with("ab")  # b's Verify arrives while a's waits in the window: one forward
+    first = late.verify(VerifyCall("a", good))
+    time.sleep(0.05)
+    assert not first.done(), "a's Verify did not wait for b's"
+    second = late.verify(VerifyCall("b", good))
+    assert batch_size(first) == batch_size(second) == 2
+    late.stop()
+
+    closing = scheduler_with("ab")  # b's CloseSequence arrives instead: the batch cannot grow
+    first = closing.verify(VerifyCall("a", good))
+    assert closing.close("b").result(PROMPT_S) is None and batch_size(first) == 1
+    closing.stop()
+
+    full = scheduler_with("ab", max_batch_size=1)  # the batch is full at max_batch_size
+    assert batch_size(full.verify(VerifyCall("a", good))) == 1
+    full.stop()
+
+
 def test_config_from_args_and_env() -> None:
     config = VerifierConfig.from_args(
         ["--port", "5050", "--max-batch-size", "4"], {"SPECDEC_VERIFIER_MODEL": "m", "SPECDEC_VERIFIER_PORT": "1"}
@@ -303,6 +345,10 @@ def test_config_from_args_and_env() -> None:
     assert (config.model, config.port, config.max_batch_size, config.handler_threads) == ("m", 5050, 4, 264)
     with pytest.raises(ValueError, match="max_batch_size"):
         VerifierConfig(max_batch_size=0)
+    assert VerifierConfig.from_args([], {"SPECDEC_VERIFIER_BATCH_WAIT_MS": "2.5"}).batch_wait_ms == 2.5
+    assert VerifierConfig.from_args(["--batch-wait-ms", "0"], {}).batch_wait_ms == 0
+    with pytest.raises(ValueError, match="batch_wait_ms"):
+        VerifierConfig(batch_wait_ms=-1)
 
 
 def test_module_entry_point_serves_and_stops_on_sigterm(tmp_path: Path, target) -> None:

@@ -1,11 +1,16 @@
 """Continuous batching: one thread owns the BatchVerifier; Verify calls that wait together share one forward.
 
 gRPC handlers never touch the model: they submit a job and wait on its Future. The scheduler thread takes
-every job queued when it is free, gathers the Verify jobs into ``BatchVerifier.verify`` calls (at most
-``max_batch_size`` each, one call per sequence) and runs OpenSequence / CloseSequence / Status jobs in between,
-so the runner and all torch work stay on one thread. Jobs of one sequence run in arrival order: a pending
-batch is run before a job for a sequence it already holds. A call that fails its own checks fails alone; the
-rest of its batch goes on. A job whose caller has gone (Future cancelled) before it starts is skipped.
+every job queued when it is free (after the first Verify, waiting up to ``batch_wait_s`` for more while the
+batch can still grow), gathers the Verify jobs into ``BatchVerifier.verify`` calls (at most ``max_batch_size``
+each, one call per sequence) and runs OpenSequence / CloseSequence / Status jobs in between, so the runner and
+all torch work stay on one thread. Jobs of one sequence run in arrival order: a pending batch is run before a
+job for a sequence it already holds. A call that fails its own checks fails alone; the rest of its batch goes
+on. A job whose caller has gone (Future cancelled) before it starts is skipped.
+
+The batch can grow while it is below ``max_batch_size`` and some open sequence has nothing queued. The
+scheduler cannot see a sequence busy elsewhere (at the drafter, in the router), so the window bounds the wait
+for it; a lone open sequence, or a batch holding every open sequence, is never delayed.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -64,9 +70,12 @@ class VerifyScheduler:
     At most ``max_queued`` Verify calls wait at once; beyond that :meth:`verify` raises CapacityError.
     """
 
-    def __init__(self, verifier: BatchVerifier, *, max_batch_size: int, max_queued: int) -> None:
+    def __init__(
+        self, verifier: BatchVerifier, *, max_batch_size: int, max_queued: int, batch_wait_s: float = 0.0
+    ) -> None:
         self.verifier = verifier
         self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
         self.max_queued = max_queued
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _queued and _stopped
@@ -86,6 +95,7 @@ class VerifyScheduler:
             self._stopped = True
         self._queue.put(_STOP)
         self._thread.join()
+        LOG.info("answered %d Verify calls in %d batches (largest %d)", self._calls, self._batches, self._max_batch)
         for sequence_id in self.verifier.sequence_ids():
             self.verifier.close(sequence_id)
 
@@ -154,13 +164,39 @@ class VerifyScheduler:
 
     def _loop(self) -> None:
         while True:
-            jobs = [self._queue.get()]
-            while not self._queue.empty():
-                jobs.append(self._queue.get_nowait())
+            jobs = self._take()
             if jobs[-1] is _STOP:  # nothing is submitted after it
                 self._run(jobs[:-1])
                 return
             self._run(jobs)
+
+    def _take(self) -> list:
+        """Block for one job, then take every job queued; after a Verify, wait up to ``batch_wait_s`` for more
+        while the batch can still grow."""
+        jobs = [self._queue.get()]
+        deadline = None  # set by the first Verify taken
+        while jobs[-1] is not _STOP:
+            if deadline is None and isinstance(jobs[-1], _VerifyJob):
+                deadline = time.monotonic() + self.batch_wait_s
+            wait = deadline - time.monotonic() if deadline is not None else 0.0
+            try:
+                if wait > 0 and self._can_grow(jobs):
+                    jobs.append(self._queue.get(timeout=wait))
+                else:
+                    jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return jobs
+
+    def _can_grow(self, jobs: list[_Job | _VerifyJob]) -> bool:
+        """Whether a Verify could still join the first batch of ``jobs``: it holds fewer than ``max_batch_size``
+        and some open sequence has no job queued (an OpenSequence or CloseSequence queued orders its sequence's
+        next Verify after this batch)."""
+        verifying = {job.call.sequence_id for job in jobs if isinstance(job, _VerifyJob)}
+        if len(verifying) >= self.max_batch_size:
+            return False
+        busy = verifying.union(job.sequence_id for job in jobs if isinstance(job, _Job))
+        return any(sequence_id not in busy for sequence_id in self.verifier.sequence_ids())
 
     def _run(self, jobs: list[_Job | _VerifyJob]) -> None:
         """Run ``jobs`` in arrival order per sequence; Verify jobs batched (one per sequence per batch)."""
