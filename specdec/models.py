@@ -87,6 +87,26 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``name`` (alias, ``.gguf`` file, directory or hub id) without loading the weights.
+
+    Raises ModelNotFoundError naming ``name``.
+    """
+    kwargs: dict[str, str] = {}
+    location: str | Path = name
+    if name in MODEL_ALIASES:
+        location, filename = _alias_location(name)
+        kwargs = {"gguf_file": filename}
+    elif Path(name).expanduser().is_file():
+        path = Path(name).expanduser()
+        location, kwargs = path.parent, {"gguf_file": path.name}
+    try:
+        return AutoTokenizer.from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as error:
+        reason = " ".join(str(error).split())
+        raise ModelNotFoundError(f"tokenizer {name!r}: cannot load from {location}: {reason}") from error
+
+
 def _alias_location(alias: str) -> tuple[Path, str]:
     """Directory and file name of an alias's weights, found without importing the shipping package."""
     package, filename = MODEL_ALIASES[alias]
