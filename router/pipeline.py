@@ -33,13 +33,14 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from router.errors import NoWorkerError, WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
 from router.requests import DraftShape, Plan
 from router.text import TextStream
 from specdec.sampling import SamplingParams
+from specdec.stats import AcceptanceCounts
 from specdec.tree import TokenTree
 
 LOG = logging.getLogger(__name__)
@@ -137,13 +138,9 @@ class Chunk:
 
 
 @dataclass
-class RequestStats:
+class RequestStats(AcceptanceCounts):
     """Speculation counters of one request (DESIGN §7); ``draft_ns`` and ``wire_bytes`` include discarded chains."""
 
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
     draft_ns: int = 0
     verify_ns: int = 0
     state_ns: int = 0
@@ -152,23 +149,12 @@ class RequestStats:
     wire_bytes: int = 0
     drafter_fallback: bool = False
 
-    @property
-    def mean_accepted_length(self) -> float:
-        """1 + accepted / rounds (DESIGN §7)."""
-        return 1 + self.accepted_tokens / self.rounds if self.rounds else 0.0
-
     def count_drafted(self, drafted: Drafted) -> None:
         self.draft_ns += drafted.draft_ns
         self.wire_bytes += drafted.wire_bytes
 
     def count_round(self, drafted: Drafted | None, verified: Verified) -> None:
-        self.rounds += 1
-        self.draft_tokens += len(drafted.tree) if drafted else 0
-        accepted = len(verified.accepted_path)
-        self.accepted_tokens += accepted
-        self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
-        for depth in range(accepted):
-            self.accepted_per_position[depth] += 1
+        self.count_verdict(len(drafted.tree) if drafted else 0, len(verified.accepted_path))
         self.verify_ns += verified.verify_ns
         self.state_ns += verified.state_ns
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from specdec.drafters.base import Drafter, Proposal
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
+from specdec.stats import AcceptanceCounts
 from specdec.tree import TokenTree
 from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
 
@@ -33,27 +34,12 @@ class GenerationRequest:
 
 
 @dataclass
-class SpecStats:
-    """Speculation counters of one request (DESIGN §7 vocabulary)."""
+class SpecStats(AcceptanceCounts):
+    """Speculation counters and time split of one request (DESIGN §7 vocabulary)."""
 
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
     state_s: float = 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens committed per round: 1 + accepted/rounds (tree nodes are not counted)."""
-        return 1 + self.accepted_tokens / self.rounds if self.rounds else 0.0
-
-    def count_accepted(self, num_accepted: int) -> None:
-        if len(self.accepted_per_position) < num_accepted:
-            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
 
 
 @dataclass(frozen=True)
@@ -174,10 +160,7 @@ class Engine:
         self, sequence: _Sequence, proposal: Proposal, outcome: VerifyOutcome, draft_s: float, drafter_commit_s: float
     ) -> None:
         stats, verdict = sequence.stats, outcome.verdict
-        stats.rounds += 1
-        stats.draft_tokens += len(proposal.tree)
-        stats.accepted_tokens += verdict.num_accepted
-        stats.count_accepted(verdict.num_accepted)
+        stats.count_verdict(len(proposal.tree), verdict.num_accepted)
         stats.draft_s += draft_s
         stats.verify_s += outcome.verify_s
         stats.state_s += outcome.commit_s + drafter_commit_s

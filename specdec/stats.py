@@ -1,0 +1,29 @@
+"""Per-request speculation counters shared by the co-located engine and the router (DESIGN §7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceCounts:
+    """Rounds, drafted and accepted tokens; tree nodes count as drafted, never as accepted length."""
+
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round: 1 + accepted / rounds."""
+        return 1 + self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+    def count_verdict(self, drafted: int, accepted: int) -> None:
+        """One round that proposed ``drafted`` nodes and accepted the first ``accepted`` positions."""
+        self.rounds += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
