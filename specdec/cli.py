@@ -11,6 +11,7 @@ import sys
 
 from transformers.utils import logging as transformers_logging
 
+from bench.load import cli as bench_cli
 from launcher import cli as launcher_cli
 from specdec.drafters import DRAFTER_KINDS, DraftConfig, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
@@ -204,11 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _generate_parser(subparsers)
     launcher_cli.add_parsers(subparsers)
+    bench_cli.add_parser(subparsers)
     args = parser.parse_args(argv)
     quiet_model_loading()
     try:
         if args.command == "generate":
             return _run_generate(args)
+        if args.command == "bench":
+            return bench_cli.run(args)
         return launcher_cli.run(args)
     except (SpecdecError, OSError, RuntimeError, ValueError) as error:
         message = " ".join(str(error).split()) if args.command == "generate" else str(error)

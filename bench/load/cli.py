@@ -1,0 +1,195 @@
+"""``specdec bench``: a load generator for the router, in the manner of ``vllm bench serve``.
+
+    specdec bench --qps 0.5,1,2,4 --sweep-speculation off,pipelined --num-requests 100 \\
+        --slo-ttft-ms 2000 --slo-itl-ms 200 --result-dir bench/results --name sweep
+
+Without ``--router`` / ``--base-url`` it finds the router of ``specdec up`` (its state file); with ``--simulate``
+it starts a router over simulated workers (:mod:`bench.load.simulate`) for the run and stops it afterwards.
+Only argparse is imported here: gRPC, aiohttp and matplotlib load inside :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+_PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+
+
+def default_prompts() -> Path:
+    shipped = _PROMPTS_DIR / "load.jsonl"
+    return shipped if shipped.exists() else _PROMPTS_DIR / "colocated.jsonl"
+
+
+def _floats(text: str) -> list[float]:
+    return [float(item) for item in text.split(",") if item.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``bench`` (its ``--sim-*`` options come from :mod:`bench.load.simulate`)."""
+    from bench.load.simulate import add_simulation_arguments
+
+    parser = subparsers.add_parser("bench", help="load-test the router (open or closed loop, sweeps, reports)")
+    target = parser.add_argument_group("router (default: the one `specdec up` started)")
+    target.add_argument("--backend", choices=("grpc", "http"), default="grpc", help="API to load (default grpc)")
+    target.add_argument("--router", metavar="HOST:PORT", help="router gRPC address (--backend grpc)")
+    target.add_argument("--base-url", metavar="http://HOST:PORT", help="router HTTP address (--backend http, metrics)")
+    target.add_argument("--metrics-url", help="Prometheus endpoint to scrape (default BASE_URL/metrics)")
+    target.add_argument("--timeout", type=float, default=600.0, help="deadline per request, s (default 600)")
+    target.add_argument("--simulate", action="store_true", help="start a router over simulated workers for the run")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--qps", type=_floats, help="arrival rate(s), comma-separated for a sweep; inf: all at once")
+    load.add_argument("--arrival", choices=("poisson", "constant", "gamma"), default="poisson")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: <1 burstier, >1 smoother")
+    load.add_argument("--concurrency", type=int, help="closed loop: N users, each sending when the last finished")
+    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight for --qps (client-side queue)")
+    load.add_argument("--num-requests", type=int, help="measured requests per point (default 100 without --duration)")
+    load.add_argument("--duration", type=float, help="seconds per point (no new request after it)")
+    load.add_argument("--warmup", type=int, default=2, help="uncounted requests before each point (default 2)")
+    load.add_argument("--seed", type=int, default=0, help="schedule and prompt order; request i samples with seed+i")
+
+    work = parser.add_argument_group("requests")
+    work.add_argument("--prompts", type=Path, default=default_prompts(), help="JSONL of {id, category, prompt}")
+    work.add_argument("--categories", type=_names, help="only these prompt categories (comma-separated)")
+    work.add_argument("--completions", action="store_true", help="raw prompt, no chat template (/v1/completions)")
+    work.add_argument("--max-tokens", type=int, default=128)
+    work.add_argument("--temperature", type=float, default=0.0)
+    work.add_argument("--top-p", type=float)
+    work.add_argument("--top-k", type=int)
+    work.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    work.add_argument("--speculation", choices=("off", "sequential", "pipelined"), help="default: the router's")
+    work.add_argument("--sweep-speculation", type=_names, help="repeat every point per mode, e.g. off,pipelined")
+    work.add_argument("--drafter", help="drafter kind (default: the router's)")
+    work.add_argument("--num-draft-tokens", type=int)
+    work.add_argument("--tree-width", type=int)
+    work.add_argument("--tree-budget", type=int)
+
+    out = parser.add_argument_group("results")
+    out.add_argument("--result-dir", type=Path, default=Path("bench/results"))
+    out.add_argument("--name", help="file name stem (default bench-BACKEND-DATE)")
+    out.add_argument("--slo-ttft-ms", type=float, help="SLO: p95 TTFT bound (target QPS, goodput)")
+    out.add_argument("--slo-itl-ms", type=float, help="SLO: p95 ITL bound (target QPS, goodput)")
+    out.add_argument("--slo-tpot-ms", type=float, help="SLO: per-request TPOT bound (goodput only)")
+    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--no-progress", action="store_true")
+    add_simulation_arguments(parser)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.qps is not None and args.concurrency is not None:
+        raise ValueError("give --qps (open loop) or --concurrency (closed loop), not both")
+    for mode in args.sweep_speculation or ():
+        if mode not in ("off", "sequential", "pipelined"):
+            raise ValueError(f"--sweep-speculation: {mode!r} is not off, sequential or pipelined")
+    if args.sweep_speculation and args.speculation:
+        raise ValueError("give --speculation or --sweep-speculation, not both")
+
+
+def _addresses(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(gRPC address, HTTP base URL): the flags, else the router of ``specdec up``."""
+    if args.router or args.base_url:
+        return args.router, args.base_url
+    from launcher.cluster import ClusterState, state_file
+
+    router = ClusterState.load(state_file()).router
+    return router.get("grpc"), f"http://{router['http']}" if router.get("http") else None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench; 0 when it ran (failed requests are results), 1 when no request completed."""
+    _check(args)
+    if not args.simulate:
+        grpc_address, base_url = _addresses(args)
+        return _bench(args, grpc_address, base_url, model=None)
+    from bench.load.simulate import simulated_stack, simulation_config_from_args
+
+    config = simulation_config_from_args(args)
+    log_dir = Path(tempfile.gettempdir()) / "specdec-bench-sim"
+    with simulated_stack(config, log_dir=log_dir) as stack:
+        return _bench(args, stack.grpc_address, f"http://{stack.http_address}", model=stack.model)
+
+
+def _bench(args: argparse.Namespace, grpc_address: str | None, base_url: str | None, model: str | None) -> int:
+    import asyncio
+
+    from bench.load.backends import make_backend
+    from bench.load.report import run_metadata, write_results
+    from bench.load.runner import LoadSpec
+    from bench.load.summary import Slo
+    from bench.load.sweep import run_sweep
+    from bench.load.workload import RequestOptions, load_prompts
+
+    address = grpc_address if args.backend == "grpc" else base_url
+    if not address:
+        flag = "--router" if args.backend == "grpc" else "--base-url"
+        raise ValueError(f"--backend {args.backend} needs {flag} (or a `specdec up` deployment)")
+    metrics_url = args.metrics_url or (f"{base_url.rstrip('/')}/metrics" if base_url else None)
+    prompts = load_prompts(args.prompts, args.categories)
+    options = RequestOptions(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        speculation=args.speculation,
+        drafter=args.drafter,
+        num_draft_tokens=args.num_draft_tokens,
+        tree_width=args.tree_width,
+        tree_budget=args.tree_budget,
+        chat=not args.completions,
+    )
+    rates = args.qps if args.qps is not None else ([] if args.concurrency else [float("inf")])
+    spec = LoadSpec(
+        qps=rates[0] if rates else None,
+        concurrency=args.concurrency,
+        arrival=args.arrival,
+        burstiness=args.burstiness,
+        num_requests=args.num_requests if args.num_requests or args.duration else 100,
+        duration_s=args.duration,
+        warmup_requests=args.warmup,
+        seed=args.seed,
+        max_concurrency=args.max_concurrency,
+    )
+    slo = None
+    if any(bound is not None for bound in (args.slo_ttft_ms, args.slo_itl_ms, args.slo_tpot_ms)):
+        slo = Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, itl_ms=args.slo_itl_ms)
+    token = os.environ.get("SPECDEC_BEARER_TOKEN") or None
+    name = args.name or f"bench-{args.backend}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    config: dict[str, Any] = {
+        key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items() if key != "command"
+    }
+    config.update(model=model, router_grpc=grpc_address, router_http=base_url, metrics_url=metrics_url)
+    config["qps"] = None if args.qps is None else [str(q) if math.isinf(q) else q for q in args.qps]  # JSON has no inf
+    config.update({key: str(value) for key, value in config.items() if key.startswith("sim_")})
+    meta = run_metadata(name, sys.argv, config)
+    points, stopped = asyncio.run(
+        run_sweep(
+            lambda: make_backend(args.backend, address, args.timeout, token),
+            prompts,
+            options,
+            spec,
+            rates=rates if len(rates) > 1 else None,
+            modes=args.sweep_speculation or [args.speculation],
+            slo=slo,
+            progress=not args.no_progress,
+            metrics_url=metrics_url,
+        )
+    )
+    markdown, written = write_results(
+        args.result_dir, name, points, meta, slo=slo, stopped=stopped, plots=not args.no_plots
+    )
+    print(markdown)
+    print("wrote " + ", ".join(str(path) for path in written), file=sys.stderr)
+    return 0 if any(summary["completed"] for _, summary in points) else 1
