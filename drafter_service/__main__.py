@@ -1,7 +1,8 @@
 """``python -m drafter_service``: serve a drafter until SIGTERM / SIGINT.
 
-Prints one JSON line, ``{"address": "HOST:PORT", "kind": KIND}``, on stdout once it serves; logs go to
-stderr. Exit status 0 after a graceful stop, 2 when the configuration or a model is bad.
+Prints one JSON line, ``{"address": "HOST:PORT", "kind": KIND}`` (plus ``"metrics": "HOST:PORT"`` with
+``--metrics-port``), on stdout once it serves; logs go to stderr. Exit status 0 after a graceful stop, 2 when
+the configuration or a model is bad.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    print(json.dumps({"address": running.address, "kind": config.kind}), flush=True)
+    ready = {"address": running.address, "kind": config.kind}
+    if running.metrics_address is not None:
+        ready["metrics"] = running.metrics_address
+    print(json.dumps(ready), flush=True)
     stop.wait()
     logging.getLogger(__name__).info("stopping (grace %.1fs)", config.grace_s)
     running.stop()

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from specdec.drafters import DraftConfig
 from specdec.errors import InvalidArgumentError
 
@@ -26,7 +27,8 @@ class DrafterConfig:
     as a sparse row (DESIGN §5). ``num_draft_tokens`` is the default γ when a sequence asks for 0.
     ``max_batch_size`` caps the Propose calls one drafter call answers; the scheduler waits up to
     ``batch_wait_ms`` after the first for more (0: takes what is queued). ``max_open_sequences`` bounds
-    state: beyond it OpenSequence answers RESOURCE_EXHAUSTED.
+    state: beyond it OpenSequence answers RESOURCE_EXHAUSTED. ``metrics_port`` (None: no metrics server; 0: a
+    free port) serves Prometheus series at ``http://host:metrics_port/metrics``.
     """
 
     kind: str
@@ -37,6 +39,7 @@ class DrafterConfig:
     num_draft_tokens: int = 4
     host: str = "127.0.0.1"
     port: int = 0
+    metrics_port: int | None = None
     max_batch_size: int = 64
     batch_wait_ms: float = 0.0
     max_open_sequences: int = 4096
@@ -57,6 +60,7 @@ class DrafterConfig:
             raise InvalidArgumentError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError("port", f"must be in [0, 65536), got {self.port}")
+        check_metrics_port(self.metrics_port)
         for name in ("max_batch_size", "max_open_sequences", "max_workers"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
@@ -98,6 +102,7 @@ class DrafterConfig:
         option("num_draft_tokens", int, "default chain length / tree depth")
         option("host", str, "address to listen on")
         option("port", int, "port to listen on (0: any free port)")
+        option("metrics_port", parse_metrics_port, "port of the Prometheus /metrics endpoint (0: any free port)")
         option("max_batch_size", int, "most Propose calls answered by one drafter call")
         option("batch_wait_ms", float, "how long to wait for more Propose calls after the first")
         option("max_open_sequences", int, "open sequences before OpenSequence answers RESOURCE_EXHAUSTED")

@@ -6,7 +6,7 @@ jobs into one ``drafter.propose`` call (at most ``max_batch_size``, one per sequ
 OpenSequence / Commit / CloseSequence jobs in between, so the drafter and all torch work stay on one
 thread. Jobs of one sequence run in arrival order: a batch is flushed before a job for a sequence it
 already holds. A job whose caller has gone (its Future cancelled) before it starts is skipped and has
-no effect.
+no effect. The scheduler records the service's metrics (:class:`~drafter_service.metrics.DrafterMetrics`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from drafter_service.metrics import DrafterMetrics
 from specdec.drafters import DraftConfig, Drafter
 from specdec.errors import CapacityError, InvalidArgumentError
 from specdec.sampling import SamplingParams, make_generator
@@ -67,12 +68,22 @@ _STOP = object()
 
 
 class DraftScheduler:
-    """Serialises every call on ``drafter`` onto one thread and batches Propose calls."""
+    """Serialises every call on ``drafter`` onto one thread and batches Propose calls.
+
+    ``metrics`` (default: a fresh, unserved set) receives the scheduler's series.
+    """
 
     def __init__(
-        self, drafter: Drafter, *, max_batch_size: int, batch_wait_s: float = 0.0, max_open_sequences: int = 4096
+        self,
+        drafter: Drafter,
+        *,
+        max_batch_size: int,
+        batch_wait_s: float = 0.0,
+        max_open_sequences: int = 4096,
+        metrics: DrafterMetrics | None = None,
     ) -> None:
         self.drafter = drafter
+        self.metrics = DrafterMetrics() if metrics is None else metrics
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_open_sequences = max_open_sequences
@@ -167,6 +178,7 @@ class DraftScheduler:
                 self._execute(jobs[:-1])
                 return
             self._execute(jobs)
+            self.metrics.open_sequences.set(len(self._handles))
 
     def _take(self) -> list:
         """Block for one job, then take every job queued; after a Propose, wait up to ``batch_wait_s`` for more."""
@@ -232,6 +244,10 @@ class DraftScheduler:
         started = time.perf_counter_ns()
         proposals = self.drafter.propose([entry.handle for entry in ready], [entry.job.max_tokens for entry in ready])
         draft_ns = time.perf_counter_ns() - started
+        self.metrics.batch_size.observe(len(ready))
+        self.metrics.propose_seconds.observe(draft_ns / 1e9)
+        self.metrics.proposals.inc(len(ready))
+        self.metrics.draft_tokens.inc(sum(len(proposal.tree) for proposal in proposals))
         self._proposals += len(ready)
         self._batches += 1
         self._max_batch = max(self._max_batch, len(ready))

@@ -1,4 +1,7 @@
-"""Drafter process wiring: models → core drafter → scheduler thread → gRPC server with health."""
+"""Drafter process wiring: models → core drafter → scheduler thread → gRPC server with health.
+
+With ``metrics_port`` set, the scheduler's series are also served over HTTP for Prometheus.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ import torch
 from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc
 
 from drafter_service.config import DrafterConfig
+from drafter_service.metrics import DrafterMetrics
 from drafter_service.scheduler import DraftScheduler
 from drafter_service.servicer import DrafterServicer
+from grpc_common.metrics import MetricsServer, start_metrics_server
 from grpc_common.server import RunningService, start_server
 from specdec.drafters import Drafter, build_drafter, default_early_exit_layers
 from specdec.models import LoadedModel, load_model
@@ -58,15 +63,20 @@ def start_drafter(
     ``target`` / ``draft`` let tests and co-located deployments share models already in memory.
     """
     drafter = build_core_drafter(config, target=target, draft=draft)
+    metrics = DrafterMetrics()
     scheduler = DraftScheduler(
         drafter,
         max_batch_size=config.max_batch_size,
         batch_wait_s=config.batch_wait_ms / 1000,
         max_open_sequences=config.max_open_sequences,
+        metrics=metrics,
     )
     scheduler.start()
     servicer = DrafterServicer(scheduler, config.kind, config.draft_config())
+    metrics_server: MetricsServer | None = None
     try:
+        if config.metrics_port is not None:
+            metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port)
         server = start_server(
             lambda grpc_server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, grpc_server),
             [SERVICE_NAME],
@@ -76,6 +86,8 @@ def start_drafter(
         )
     except BaseException:
         scheduler.stop()
+        if metrics_server is not None:
+            metrics_server.stop()
         raise
     LOG.info("%s drafter for %s serving on %s", config.kind, config.target, server.address)
-    return RunningDrafter(server, scheduler, config)
+    return RunningDrafter(server, scheduler, config, metrics_server)

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from grpc_common.errors import DomainErrorInterceptor
+from grpc_common.metrics import MetricsServer
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -52,21 +53,29 @@ ConfigT = TypeVar("ConfigT", bound=ServiceConfig)
 
 @dataclass
 class RunningService(Generic[SchedulerT, ConfigT]):
-    """A serving worker: ``address`` to dial, ``stop()`` to drain it and free everything."""
+    """A serving worker: ``address`` to dial, ``metrics_address`` to scrape (if served), ``stop()`` to drain it."""
 
     server: RunningServer
     scheduler: SchedulerT
     config: ConfigT
+    metrics: MetricsServer | None = None
 
     @property
     def address(self) -> str:
         return self.server.address
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` of the ``/metrics`` endpoint; None when the service serves no metrics."""
+        return self.metrics.address if self.metrics is not None else None
 
     def stop(self, grace_s: float | None = None) -> None:
         """Health NOT_SERVING, in-flight calls get ``grace_s`` (default: the service's) to finish, then the
         scheduler stops and frees every sequence."""
         self.server.stop(self.config.grace_s if grace_s is None else grace_s)
         self.scheduler.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
 
     def __enter__(self) -> RunningService[SchedulerT, ConfigT]:
         return self

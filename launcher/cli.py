@@ -124,12 +124,11 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(report))
         else:
-            print(
-                f"router    gRPC {report['router']['grpc']}  HTTP {report['router']['http']}  "
-                f"{report['router']['health']}"
-            )
+            router = report["router"]
+            metrics = router.get("metrics", "")
+            print(f"router    gRPC {router['grpc']}  HTTP {router['http']}  {router['health']}  {metrics}")
             for worker in report["workers"]:
-                print(f"{worker['role']:<9} {worker['address']}  {worker['health']}")
+                print(f"{worker['role']:<9} {worker['address']}  {worker['health']}  {worker.get('metrics', '')}")
     else:
         down(path)
     return 0

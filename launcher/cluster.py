@@ -4,8 +4,9 @@
 without ``--address`` it starts a local Ray instance, otherwise it joins the given cluster. There it
 places the verifiers (each in a placement group of ``verifier_gpus`` GPU bundles packed on one node:
 its tensor-parallel ranks), the drafters (asking for the custom ``drafter`` resource on a cluster)
-and the router, then records their addresses in a state file and waits. ``specdec down`` signals the
-supervisor, which stops the services and Ray. Services bind loopback unless told otherwise.
+and the router, then records their addresses (gRPC, and the URL of each one's Prometheus metrics) in
+a state file and waits. ``specdec down`` signals the supervisor, which stops the services and Ray.
+Services bind loopback unless told otherwise.
 """
 
 from __future__ import annotations
@@ -81,11 +82,12 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
             group = placement_group([{"GPU": 1}] * deployment.verifier_gpus, strategy="STRICT_PACK")
             ray.get(group.ready(), timeout=timeout_s)
             options = {"num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
-        verifiers.append(spawn("verifier", ["--model", deployment.target, *deployment.verifier_args], **options))
+        argv = ["--model", deployment.target, "--metrics-port", "0", *deployment.verifier_args]
+        verifiers.append(spawn("verifier", argv, **options))
     drafters = []
     for kind in deployment.drafter_kinds:
         for _ in range(deployment.num_drafters):
-            argv = ["--kind", kind, "--target", deployment.target, *deployment.drafter_args]
+            argv = ["--kind", kind, "--target", deployment.target, "--metrics-port", "0", *deployment.drafter_args]
             if kind == "model":
                 argv += ["--draft-model", deployment.draft_model or deployment.target]
             drafters.append(spawn("drafter", argv, **({"resources": {"drafter": 1}} if in_cluster else {})))
@@ -95,7 +97,7 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
     router_argv = ["--model", deployment.target, "--grpc-port", "0", "--http-port", "0", *deployment.router_args]
     for role, address in zip(roles, addresses, strict=True):
         router_argv += [f"--{role}", address["grpc"]]
-        state.workers.append({"role": role, "address": address["grpc"]})
+        state.workers.append({"role": role, "address": address["grpc"], "metrics": address.get("metrics", "")})
     router = spawn("router", router_argv)
     state.router = ray.get(router.addresses.remote(), timeout=timeout_s)
     return actors

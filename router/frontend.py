@@ -4,6 +4,8 @@ Both doors decode their wire format into a :class:`~router.requests.GenerateInpu
 (any thread: it tokenizes) and then :meth:`Frontend.generate` on the router's event loop. Admission is a plain
 counter on that loop: a request past ``max_concurrent_requests`` is refused at once with
 :class:`~router.errors.OverloadedError` (RESOURCE_EXHAUSTED / HTTP 429 with a retry hint), never queued.
+The frontend owns the router's :class:`~router.metrics.RouterMetrics`: it times requests, counts their outcomes
+and has every session report its rounds there.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from router.config import RouterConfig
 from router.errors import OverloadedError, UnauthenticatedError, WorkerUnavailableError
+from router.metrics import RouterMetrics
 from router.pipeline import Emit, Final, Session
 from router.requests import GenerateInput, Plan, plan_request
 from router.text import TextStream
@@ -42,6 +45,7 @@ class Frontend:
         self.config = config
         self.tokenizer = tokenizer
         self.pool = pool
+        self.metrics = RouterMetrics(config.model)
         self.running = 0
         self.draining = False
         self.background: set[asyncio.Task[Any]] = set()  # sessions' unawaited cleanup, kept alive here
@@ -57,25 +61,47 @@ class Frontend:
 
     def plan(self, request: GenerateInput, *, default_max_tokens: int | None = None) -> Plan:
         """Validate and tokenize ``request`` (raises InvalidArgumentError naming the field)."""
-        return plan_request(
-            request, self.config, self.tokenizer, self.pool.drafter_kinds(), default_max_tokens=default_max_tokens
-        )
+        try:
+            return plan_request(
+                request, self.config, self.tokenizer, self.pool.drafter_kinds(), default_max_tokens=default_max_tokens
+            )
+        except Exception as error:
+            self.metrics.request_failed(error)
+            raise
 
     async def generate(self, plan: Plan, emit: Emit) -> Final:
         """Run ``plan`` (on the router's loop), streaming chunks through ``emit``; admission first."""
+        timer = self.metrics.request(len(plan.prompt_ids))
+        try:
+            final = await self._admit_and_run(plan, timer.timed(emit))
+        except (Exception, asyncio.CancelledError) as error:
+            timer.failed(error)
+            raise
+        timer.finished(final)
+        return final
+
+    async def _admit_and_run(self, plan: Plan, emit: Emit) -> Final:
         if self.draining:
             raise WorkerUnavailableError("router", "UNAVAILABLE", "the router is shutting down")
         if self.running >= self.config.max_concurrent_requests:
             raise OverloadedError(self.running, self.config.retry_after_s)
         self.running += 1
+        self.metrics.requests_running.set(self.running)
         try:
             text = TextStream(self.tokenizer, plan.prompt_ids, plan.stop) if self.tokenizer is not None else None
             session = Session(
-                plan, self.pool, emit, sequence_id=f"r-{uuid.uuid4().hex}", text=text, background=self.background
+                plan,
+                self.pool,
+                emit,
+                sequence_id=f"r-{uuid.uuid4().hex}",
+                text=text,
+                background=self.background,
+                observer=self.metrics,
             )
             return await session.run()
         finally:
             self.running -= 1
+            self.metrics.requests_running.set(self.running)
 
     def ready(self) -> bool:
         """Serving: not shutting down and at least one verifier healthy."""

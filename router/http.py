@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP on the router's event loop (aiohttp): completions, chat completions, models, health.
+"""OpenAI-compatible HTTP on the router's event loop (aiohttp): completions, chat completions, models, health, metrics.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` take the OpenAI request bodies (one prompt, ``n = 1``)
 plus the extensions ``top_k``, ``min_p``, ``ignore_eos``, ``speculation``, ``drafter``, ``num_draft_tokens``,
@@ -7,6 +7,8 @@ plus the extensions ``top_k``, ``min_p``, ``ignore_eos``, ``speculation``, ``dra
 ``data: [DONE]``; otherwise one JSON object with ``choices`` and ``usage``. Both carry the request's speculation
 counters under ``"speculation"``. Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
 field, 401 without the bearer token, 429 with ``Retry-After`` when overloaded, 503 without a verifier.
+``GET /metrics`` is the Prometheus exposition of :class:`~router.metrics.RouterMetrics`; like ``/health`` (and
+vLLM's ``/metrics``) it needs no bearer token.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.errors import (
     NoWorkerError,
@@ -253,16 +256,25 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-    frontend = request.app[FRONTEND_KEY]
+async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise InvalidArgumentError("body", f"is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise InvalidArgumentError("body", "must be a JSON object")
-    generate_input = chat_input(body) if chat else completion_input(body)
-    stream = _typed(body, "stream", "boolean", False)
+    return body
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    frontend = request.app[FRONTEND_KEY]
+    try:
+        body = await _json_body(request)
+        generate_input = chat_input(body) if chat else completion_input(body)
+        stream = _typed(body, "stream", "boolean", False)
+    except InvalidArgumentError as error:  # later failures are counted by the frontend
+        frontend.metrics.request_failed(error)
+        raise
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     default_max_tokens = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -344,6 +356,11 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok" if ready else "unavailable"}, status=200 if ready else 503)
 
 
+async def metrics(request: web.Request) -> web.Response:
+    registry = request.app[FRONTEND_KEY].metrics.registry
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 @web.middleware
 async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bearer token on ``/v1/*``; domain errors as OpenAI-style JSON errors."""
@@ -364,4 +381,5 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     return app

@@ -19,6 +19,9 @@ asked to ``Propose(assume_previous_accepted)`` chain k+1 concurrently. When the 
 
 Every emitted token comes from the verifier's rule, so pipelining never changes the output distribution.
 
+Monitoring hears the loop through an optional :class:`RoundObserver` (the router's metrics), so this module stays
+free of any metrics library.
+
 Failures (DESIGN §9): any drafter error or deadline drops the drafter for the rest of the request
 (``drafter_fallback``; target-only rounds, still exact). A verifier that fails is reported to placement and the
 request is re-placed on another verifier with a re-prefill of prompt + output (the drafter is reopened on the
@@ -32,6 +35,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -80,6 +84,35 @@ class Verified:
     logprobs: tuple[float, ...]
     verify_ns: int
     state_ns: int
+    wire_bytes: int = 0  # size of the verdict's reply on the wire (0: not measured)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round whose verdict was taken, for monitoring: what it verified and where its wall time went.
+
+    ``exposed_draft_ns`` is the drafter time the verifier waited for: a fresh proposal's ``draft_ns``, 0 for a
+    chain pre-drafted during the previous round (or no proposal). ``pipeline_hit`` is None for a round that was
+    not pipelined.
+    """
+
+    draft_size: int  # nodes verified, 0 for a target-only round
+    verified: Verified
+    wall_ns: int
+    exposed_draft_ns: int
+    pipeline_hit: bool | None
+
+
+class RoundObserver(Protocol):
+    """Hears what sessions do (the router's metrics); called on the router's loop, so it must not block."""
+
+    def on_proposal(self, drafted: Drafted) -> None:
+        """Every proposal received from a drafter, pre-drafted chains that are later discarded included."""
+        ...
+
+    def on_round(self, record: RoundRecord) -> None:
+        """Every round whose verdict was taken (not one redone after a verifier failed)."""
+        ...
 
 
 class DrafterClient(Protocol):
@@ -184,9 +217,10 @@ def derive_seed(seed: int, role: str, attempt: int = 0) -> int:
 class Session:
     """Runs one :class:`Plan` to completion on workers chosen by ``placement``, streaming through ``emit``.
 
-    ``text`` detokenizes and applies stop strings (None: token ids only, no text). Closes that nobody waits for
-    (of a failed worker's sequence, or cleanup after a second cancellation) are kept in ``background``, which the
-    owner keeps alive longer than the session. Use :meth:`run` once.
+    ``text`` detokenizes and applies stop strings (None: token ids only, no text); ``observer`` (if any) hears every
+    proposal and round. Closes that nobody waits for (of a failed worker's sequence, or cleanup after a second
+    cancellation) are kept in ``background``, which the owner keeps alive longer than the session. Use :meth:`run`
+    once.
     """
 
     def __init__(
@@ -198,11 +232,13 @@ class Session:
         sequence_id: str,
         text: TextStream | None = None,
         background: set[asyncio.Task[Any]] | None = None,
+        observer: RoundObserver | None = None,
     ) -> None:
         self.plan = plan
         self.placement = placement
         self.emit = emit
         self.text = text
+        self.observer = observer
         self.stats = RequestStats()
         self.generated: list[int] = []
         self.finish_reason: str | None = None
@@ -352,6 +388,8 @@ class Session:
         )
         if drafted is not None:
             self.stats.count_drafted(drafted)
+            if self.observer is not None:
+                self.observer.on_proposal(drafted)
         return drafted
 
     async def _next_proposal(self) -> Drafted | None:
@@ -374,7 +412,9 @@ class Session:
     # --- rounds -------------------------------------------------------------------------------------------
 
     async def _round(self) -> None:
+        started = time.perf_counter_ns()
         base_length = len(self.plan.prompt_ids) + len(self.generated)
+        fresh = self._predrafted is None  # else the proposal was drafted while the previous round verified
         drafted = await self._next_proposal()
         size = len(drafted.tree) if drafted else 0
         pipelined = (
@@ -413,6 +453,11 @@ class Session:
                 self.stats.pipeline_misses += 1
         if self.drafter is not None and self.finish_reason is None:
             self._pending_commit = (base_length, verified.emitted)
+        if self.observer is not None:
+            exposed_ns = drafted.draft_ns if fresh and drafted is not None else 0
+            wall_ns = time.perf_counter_ns() - started
+            hit = verified.bonus_deferred if pipelined else None
+            self.observer.on_round(RoundRecord(size, verified, wall_ns, exposed_ns, hit))
 
     def _take(self, verified: Verified) -> Chunk:
         """Account the verdict's tokens (cut at the budget or a stop string); set ``finish_reason`` when done."""

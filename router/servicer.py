@@ -155,7 +155,12 @@ def add_to_server(servicer: RouterServicer, server: grpc.Server) -> None:
     """Register ``servicer`` as ``specdec.v1.Router``, with ``Generate`` receiving raw bytes to parse itself."""
 
     def generate(raw: bytes, context: grpc.ServicerContext) -> Iterator[router_pb2.GenerateResponse]:
-        return servicer.Generate(parse_generate_request(raw), context)
+        try:
+            request = parse_generate_request(raw)
+        except InvalidArgumentError as error:  # later failures are counted by the frontend
+            servicer.frontend.metrics.request_failed(error)
+            raise
+        return servicer.Generate(request, context)
 
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(

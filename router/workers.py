@@ -152,6 +152,7 @@ class GrpcVerifier(WorkerClient):
             logprobs=tuple(verdict.logprobs),
             verify_ns=reply.verify_ns,
             state_ns=reply.state_ns,
+            wire_bytes=reply.ByteSize(),
         )
 
     async def close(self, sequence_id: str) -> None:

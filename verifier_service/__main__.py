@@ -1,9 +1,10 @@
 """``python -m verifier_service``: serve a target model until SIGTERM / SIGINT.
 
-Prints one JSON line, ``{"address": "HOST:PORT", "model": NAME, "world_size": N}``, on stdout once it serves
-(rank 0 only); logs go to stderr. Exit status 0 after a graceful stop, 2 when the configuration or the model is
-bad. Tensor parallel: ``torchrun --nproc-per-node N -m verifier_service --model DIR`` (see
-:mod:`verifier_service.tensor_parallel`); the other ranks ignore SIGTERM / SIGINT and stop with rank 0.
+Prints one JSON line, ``{"address": "HOST:PORT", "model": NAME, "world_size": N}`` (plus ``"metrics":
+"HOST:PORT"`` with ``--metrics-port``), on stdout once it serves (rank 0 only); logs go to stderr. Exit status 0
+after a graceful stop, 2 when the configuration or the model is bad. Tensor parallel: ``torchrun
+--nproc-per-node N -m verifier_service --model DIR`` (see :mod:`verifier_service.tensor_parallel`); the other
+ranks ignore SIGTERM / SIGINT and stop with rank 0.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def _serve_until_signal(running: RunningVerifier, config: VerifierConfig) -> Non
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    print(json.dumps({"address": running.address, "model": config.model, "world_size": config.world_size}), flush=True)
+    ready = {"address": running.address, "model": config.model, "world_size": config.world_size}
+    if running.metrics_address is not None:
+        ready["metrics"] = running.metrics_address
+    print(json.dumps(ready), flush=True)
     stop.wait()
     LOG.info("stopping (grace %.1fs)", config.grace_s)
     running.stop()

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from specdec.errors import InvalidArgumentError
 
@@ -29,12 +30,14 @@ class VerifierConfig:
     ``max_seq_len`` (0: the model's context) caps prompt + generated tokens of a sequence. ``max_workers``
     (0: ``max_sequences + 8``) is the number of gRPC handler threads; a Verify call holds one while it waits.
     ``world_size`` > 1 shards the model over that many tensor-parallel ranks; ``rank`` 0 serves. Both default
-    to the ``WORLD_SIZE`` / ``RANK`` a launcher such as ``torchrun`` sets.
+    to the ``WORLD_SIZE`` / ``RANK`` a launcher such as ``torchrun`` sets. ``metrics_port`` (None: no metrics
+    server; 0: a free port) serves Prometheus series at ``http://host:metrics_port/metrics`` (rank 0).
     """
 
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
     port: int = 0
+    metrics_port: int | None = None
     device: str = "cpu"
     dtype: str = "float32"
     max_batch_size: int = 32
@@ -53,6 +56,7 @@ class VerifierConfig:
             raise InvalidArgumentError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError("port", f"must be in [0, 65536), got {self.port}")
+        check_metrics_port(self.metrics_port)
         if not 0 <= self.rank < self.world_size:
             raise InvalidArgumentError("rank", f"must be in [0, world_size = {self.world_size}), got {self.rank}")
         for name in ("max_batch_size", "max_sequences", "max_message_bytes", "world_size"):
@@ -88,6 +92,7 @@ class VerifierConfig:
         option("model", str, "target model: alias, GGUF file, local directory or hub id")
         option("host", str, "address to listen on")
         option("port", int, "port to listen on (0: any free port)")
+        option("metrics_port", parse_metrics_port, "port of the Prometheus /metrics endpoint (0: any free port)")
         option("device", str, "torch device of the model")
         option("dtype", str, f"model precision: {', '.join(DTYPES)}")
         option("max_batch_size", int, "most Verify calls in one target forward")

@@ -11,6 +11,9 @@ on. A job whose caller has gone (Future cancelled) before it starts is skipped.
 The batch can grow while it is below ``max_batch_size`` and some open sequence has nothing queued. The
 scheduler cannot see a sequence busy elsewhere (at the drafter, in the router), so the window bounds the wait
 for it; a lone open sequence, or a batch holding every open sequence, is never delayed.
+
+The scheduler records the service's metrics (:class:`~verifier_service.metrics.VerifierMetrics`): batch sizes
+and forward times as batches run, queued calls as they come and go, open sequences after each set of jobs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 from specdec.errors import CapacityError, SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
+from verifier_service.metrics import VerifierMetrics
 
 LOG = logging.getLogger(__name__)
 
@@ -68,12 +72,20 @@ class VerifyScheduler:
     """Serialises every call on ``verifier`` onto one thread and batches Verify calls.
 
     At most ``max_queued`` Verify calls wait at once; beyond that :meth:`verify` raises CapacityError.
+    ``metrics`` (default: a fresh, unserved set) receives the scheduler's series.
     """
 
     def __init__(
-        self, verifier: BatchVerifier, *, max_batch_size: int, max_queued: int, batch_wait_s: float = 0.0
+        self,
+        verifier: BatchVerifier,
+        *,
+        max_batch_size: int,
+        max_queued: int,
+        batch_wait_s: float = 0.0,
+        metrics: VerifierMetrics | None = None,
     ) -> None:
         self.verifier = verifier
+        self.metrics = VerifierMetrics() if metrics is None else metrics
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_queued = max_queued
@@ -134,6 +146,7 @@ class VerifyScheduler:
             if self._queued >= self.max_queued:
                 raise CapacityError(f"{self.max_queued} Verify calls are already waiting; retry shortly")
             self._queued += 1
+            self.metrics.waiting.set(self._queued)
         return self._submit(_VerifyJob(call, Future()))
 
     def close(self, sequence_id: str) -> Future:
@@ -169,6 +182,7 @@ class VerifyScheduler:
                 self._run(jobs[:-1])
                 return
             self._run(jobs)
+            self.metrics.running.set(self.verifier.num_open)
 
     def _take(self) -> list:
         """Block for one job, then take every job queued; after a Verify, wait up to ``batch_wait_s`` for more
@@ -205,6 +219,7 @@ class VerifyScheduler:
             if isinstance(job, _VerifyJob):
                 with self._lock:
                     self._queued -= 1
+                    self.metrics.waiting.set(self._queued)
                 if len(batch) == self.max_batch_size or any(j.call.sequence_id == job.call.sequence_id for j in batch):
                     self._run_batch(batch)
                     batch = []
@@ -232,6 +247,7 @@ class VerifyScheduler:
             ready.append(job)
         if not ready:
             return
+        started = time.perf_counter()
         try:
             outcomes: list[VerifyOutcome] = self.verifier.verify([job.call for job in ready])
         except Exception as error:  # delivered to every caller of the batch
@@ -240,6 +256,9 @@ class VerifyScheduler:
             for job in ready:
                 job.future.set_exception(error)
             return
+        self.metrics.forward_seconds.observe(time.perf_counter() - started)
+        self.metrics.batch_size.observe(len(ready))
+        self.metrics.verify_calls.inc(len(ready))
         self._calls += len(ready)
         self._batches += 1
         self._max_batch = max(self._max_batch, len(ready))

@@ -1,4 +1,7 @@
-"""Verifier process wiring: target model → KVRunner → BatchVerifier → scheduler thread → gRPC server with health."""
+"""Verifier process wiring: target model → KVRunner → BatchVerifier → scheduler thread → gRPC server with health.
+
+With ``metrics_port`` set, the scheduler's series are also served over HTTP for Prometheus.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +10,13 @@ import logging
 import torch
 from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
 
+from grpc_common.metrics import MetricsServer, start_metrics_server
 from grpc_common.server import RunningService, start_server
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
 from specdec.verification import BatchVerifier, Runner
 from verifier_service.config import VerifierConfig
+from verifier_service.metrics import VerifierMetrics
 from verifier_service.scheduler import VerifyScheduler
 from verifier_service.servicer import VerifierServicer
 
@@ -37,17 +42,22 @@ def start_verifier(config: VerifierConfig, *, model: LoadedModel | None = None) 
 def serve(config: VerifierConfig, runner: Runner, model: LoadedModel) -> RunningVerifier:
     """Serve ``runner`` (a :class:`KVRunner` over ``model``, or rank 0's broadcasting one under tensor parallelism)."""
     verifier = BatchVerifier(runner, max_sequences=config.max_sequences)
+    metrics = VerifierMetrics(model.name)
     scheduler = VerifyScheduler(
         verifier,
         max_batch_size=config.max_batch_size,
         max_queued=config.max_sequences,
         batch_wait_s=config.batch_wait_ms / 1000,
+        metrics=metrics,
     )
     scheduler.start()
     servicer = VerifierServicer(
         scheduler, model_name=model.name, eos_token_ids=model.eos_token_ids, world_size=config.world_size
     )
+    metrics_server: MetricsServer | None = None
     try:
+        if config.metrics_port is not None:
+            metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port)
         server = start_server(
             lambda grpc_server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, grpc_server),
             [SERVICE_NAME],
@@ -58,6 +68,8 @@ def serve(config: VerifierConfig, runner: Runner, model: LoadedModel) -> Running
         )
     except BaseException:
         scheduler.stop()
+        if metrics_server is not None:
+            metrics_server.stop()
         raise
     LOG.info("verifier for %s (%d ranks) serving on %s", model.name, config.world_size, server.address)
-    return RunningVerifier(server, scheduler, config)
+    return RunningVerifier(server, scheduler, config, metrics_server)

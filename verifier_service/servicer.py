@@ -48,6 +48,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.OpenVerifyReply()
 
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyReply:
+        self.scheduler.metrics.received_bytes.inc(request.ByteSize())  # only here is the request still on the wire
         try:
             proposal = proposal_from_wire(request.proposal, self.scheduler.verifier.runner.vocab_size)
         except ValueError as error:  # malformed tree or draft rows: name the field

@@ -1,0 +1,30 @@
+"""The drafter's Prometheus series, in a registry of its own; served when ``--metrics-port`` is given.
+
+The scheduler records them: it owns the batches and the open sequences.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from grpc_common.metrics import BATCH_SIZE_BUCKETS, log_buckets
+
+
+class DrafterMetrics:
+    """Batching, drafting time and output of one drafter."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.batch_size = Histogram(
+            "specdec:drafter_batch_size", "Sequences per drafter call.", buckets=BATCH_SIZE_BUCKETS, registry=registry
+        )
+        self.propose_seconds = Histogram(
+            "specdec:drafter_propose_seconds",
+            "Time of one batched drafter call.",
+            buckets=log_buckets(1e-4, 10.0, 5),
+            registry=registry,
+        )
+        self.proposals = Counter("specdec:drafter_proposals", "Propose calls answered.", registry=registry)
+        self.draft_tokens = Counter("specdec:drafter_draft_tokens", "Tokens (tree nodes) proposed.", registry=registry)
+        self.open_sequences = Gauge("specdec:drafter_open_sequences", "Open sequences.", registry=registry)

@@ -1,0 +1,40 @@
+"""The verifier's Prometheus series, in a registry of its own; served when ``--metrics-port`` is given.
+
+The scheduler records batches and queue lengths (it owns them), the servicer the bytes of each Verify request.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from grpc_common.metrics import BATCH_SIZE_BUCKETS, log_buckets
+
+
+class VerifierMetrics:
+    """Batching, forward time, open sequences and queued calls of one verifier serving ``model_name``."""
+
+    def __init__(self, model_name: str = "") -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.batch_size = Histogram(
+            "specdec:verifier_batch_size",
+            "Sequences per target forward.",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.forward_seconds = Histogram(
+            "specdec:verifier_forward_seconds",
+            "Time of one batched verification (target forward, acceptance and state commit).",
+            buckets=log_buckets(1e-4, 10.0, 5),
+            registry=registry,
+        )
+        self.verify_calls = Counter("specdec:verifier_verify_calls", "Verify calls answered.", registry=registry)
+        self.running = Gauge("vllm:num_requests_running", "Open sequences.", ["model_name"], registry=registry).labels(
+            model_name
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Verify calls queued for the next batch.", ["model_name"], registry=registry
+        ).labels(model_name)
+        self.received_bytes = Counter(
+            "specdec:wire_bytes", "Bytes of Verify requests received.", ["direction"], registry=registry
+        ).labels("received")
