@@ -22,17 +22,15 @@ from bench.load.simulate import (
     simulated_stack,
     simulation_config_from_args,
 )
-from bench.load.simulate_worker import (
-    SimDrafter,
+from bench.load.simulated.config import WorkerConfig
+from bench.load.simulated.drafter import SimDrafter, first_path, grow_tree
+from bench.load.simulated.verifier import (
     SimVerifier,
     VerifySequence,
-    WorkerConfig,
     accept_path,
     advance,
     check_proposal,
     decide_verify,
-    first_path,
-    grow_tree,
 )
 from grpc_common.convert import proposal_from_wire, proposal_to_wire
 from specdec.client import AsyncClient

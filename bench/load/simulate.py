@@ -1,6 +1,6 @@
 """A router driven by simulated workers: real gRPC, real router, no model (load tests of the router and the wire).
 
-The drafters and verifiers are :mod:`bench.load.simulate_worker` processes. They speak the real
+The drafters and verifiers are :mod:`bench.load.simulated` processes. They speak the real
 ``specdec.v1.Drafter`` / ``specdec.v1.Verifier`` protocol (and ``grpc.health.v1``), but a verdict accepts draft
 position ``i`` with a configured probability ``acceptance[i]`` and every call costs a sleep drawn from a
 configured latency distribution, so one 2-core machine can hold hundreds of concurrent streams and the router's
@@ -29,7 +29,7 @@ import numpy as np
 
 from bench.services import Services
 
-WORKER_MODULE = "bench.load.simulate_worker"
+WORKER_MODULE = "bench.load.simulated"
 LatencyKind = Literal["const", "normal", "lognormal", "uniform"]
 _PARAMETERS: dict[str, int] = {"const": 1, "normal": 2, "lognormal": 2, "uniform": 2}
 T = TypeVar("T")

@@ -1,0 +1,102 @@
+"""The simulated device: one per process, batching calls as the real schedulers do.
+
+Calls queue while a batched call runs, and the next batch takes every call queued (up to ``--max-batch-size``,
+after an optional ``--batch-wait-ms``), like the real schedulers' continuous batching. A batch of ``n`` sleeps
+``latency + n × per_sequence_ms``, the latency drawn from ``--latency`` (see
+:class:`bench.load.simulate.LatencySpec`) with a generator seeded by ``--seed``. So the router sees batch sizes
+and latencies that grow with its load, which a fixed per-call sleep would not show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from bench.load.simulate import LatencySpec
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Batched(Generic[R]):
+    """A job's result with the batch it ran in: the batch's sleep and size."""
+
+    result: R
+    latency_ns: int
+    batch_size: int
+
+
+class Batcher(Generic[J, R]):
+    """Continuous batching on one simulated device: jobs queued while a batch sleeps form the next batch.
+
+    ``decide`` answers one job when its batch starts (a job whose caller has gone by then is skipped, as the
+    real schedulers skip cancelled jobs); its exception goes to that job's caller alone.
+    """
+
+    def __init__(
+        self,
+        decide: Callable[[J], R],
+        latency: LatencySpec,
+        *,
+        per_sequence_ms: float,
+        rng: np.random.Generator,
+        max_batch_size: int,
+        batch_wait_s: float,
+    ) -> None:
+        self.decide = decide
+        self.latency = latency
+        self.per_sequence_ms = per_sequence_ms
+        self.rng = rng
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.calls = self.batches = self.max_batch = 0
+        self._queue: asyncio.Queue[tuple[J, asyncio.Future[Batched[R]]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the device loop (on the running event loop)."""
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def submit(self, job: J) -> Batched[R]:
+        future: asyncio.Future[Batched[R]] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((job, future))
+        return await future
+
+    async def _loop(self) -> None:
+        while True:
+            entries = [await self._queue.get()]
+            if self.batch_wait_s:
+                await asyncio.sleep(self.batch_wait_s)
+            while len(entries) < self.max_batch_size and not self._queue.empty():
+                entries.append(self._queue.get_nowait())
+            live = [(job, future) for job, future in entries if not future.done()]
+            if not live:
+                continue
+            latency_ns = round((self.latency.sample_ms(self.rng) + self.per_sequence_ms * len(live)) * 1e6)
+            outcomes: list[R | Exception] = []
+            for job, _ in live:
+                try:
+                    outcomes.append(self.decide(job))
+                except Exception as error:  # this job's caller gets it; the batch goes on
+                    outcomes.append(error)
+            self.calls += len(live)
+            self.batches += 1
+            self.max_batch = max(self.max_batch, len(live))
+            await asyncio.sleep(latency_ns / 1e9)
+            for (_, future), outcome in zip(live, outcomes, strict=True):
+                if future.done():
+                    continue
+                if isinstance(outcome, Exception):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(Batched(outcome, latency_ns, len(live)))

@@ -1,0 +1,182 @@
+"""The gRPC face of a simulated worker: the servicers over the simulated cores, and the serve loop.
+
+The cores (:mod:`.verifier`, :mod:`.drafter`) hold no gRPC so their rules can be tested directly; here their
+answers become replies. The verifier reports its batch's sleep as ``verify_ns`` and ``state_ns = 0``; the drafter
+as ``draft_ns``. Once serving, the process prints one JSON line ``{"address": "HOST:PORT", "role": ROLE, ...}``
+(what :meth:`bench.services.Service.wait_ready` reads) and stops on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+from bench.load.simulated.config import WorkerConfig
+from bench.load.simulated.drafter import SimDrafter
+from bench.load.simulated.verifier import SimVerifier
+from grpc_common.errors import status_for
+from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
+
+LOG = logging.getLogger("bench.load.simulated")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _mapped(handler: Handler) -> Handler:
+    """Domain errors → status codes with :func:`grpc_common.errors.status_for`, as the real (sync) services'
+    interceptor does; that interceptor does not apply to a ``grpc.aio`` server."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except Exception as error:
+            code = status_for(error)
+            if code == grpc.StatusCode.INTERNAL:
+                LOG.exception("internal error")
+            details = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+            await context.abort(code, str(details))
+
+    return wrapper
+
+
+class SimVerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    """``specdec.v1.Verifier`` over a :class:`SimVerifier`."""
+
+    def __init__(self, verifier: SimVerifier) -> None:
+        self.verifier = verifier
+
+    @_mapped
+    async def OpenSequence(
+        self, request: verifier_pb2.OpenVerifyRequest, context: grpc.aio.ServicerContext
+    ) -> verifier_pb2.OpenVerifyReply:
+        self.verifier.open(request.sequence_id, request.prompt_ids, request.seed, request.max_tokens)
+        return verifier_pb2.OpenVerifyReply()
+
+    @_mapped
+    async def Verify(
+        self, request: verifier_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> verifier_pb2.VerifyReply:
+        answer = await self.verifier.verify(request.sequence_id, request.proposal, request.defer_bonus)
+        decision = answer.result
+        verdict = common_pb2.Verdict(
+            accepted_path=decision.accepted_path,
+            emitted=decision.emitted,
+            finished=decision.finished,
+            bonus_deferred=decision.bonus_deferred,
+        )
+        return verifier_pb2.VerifyReply(
+            verdict=verdict, verify_ns=answer.latency_ns, state_ns=0, batch_size=answer.batch_size
+        )
+
+    @_mapped
+    async def CloseSequence(
+        self, request: verifier_pb2.CloseVerifyRequest, context: grpc.aio.ServicerContext
+    ) -> verifier_pb2.CloseVerifyReply:
+        self.verifier.close(request.sequence_id)
+        return verifier_pb2.CloseVerifyReply()
+
+    @_mapped
+    async def Status(
+        self, request: verifier_pb2.VerifierStatusRequest, context: grpc.aio.ServicerContext
+    ) -> verifier_pb2.VerifierStatusReply:
+        count = len(self.verifier.sequences)
+        return verifier_pb2.VerifierStatusReply(
+            model=self.verifier.config.model, open_sequences=count, runner_sequences=count, world_size=1
+        )
+
+
+class SimDrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """``specdec.v1.Drafter`` over a :class:`SimDrafter`."""
+
+    def __init__(self, drafter: SimDrafter) -> None:
+        self.drafter = drafter
+
+    @_mapped
+    async def OpenSequence(
+        self, request: drafter_pb2.OpenDraftRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.OpenDraftReply:
+        self.drafter.open(request)
+        return drafter_pb2.OpenDraftReply(open_ns=0)
+
+    @_mapped
+    async def Propose(
+        self, request: drafter_pb2.ProposeRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.ProposeReply:
+        answer = await self.drafter.propose(request.sequence_id, request.max_tokens, request.assume_previous_accepted)
+        proposal = answer.result
+        return drafter_pb2.ProposeReply(proposal=proposal, draft_ns=answer.latency_ns, wire_bytes=proposal.ByteSize())
+
+    @_mapped
+    async def Commit(
+        self, request: drafter_pb2.DraftCommitRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.DraftCommitReply:
+        self.drafter.commit(request.sequence_id, request.base_length, request.emitted)
+        return drafter_pb2.DraftCommitReply()
+
+    @_mapped
+    async def CloseSequence(
+        self, request: drafter_pb2.CloseDraftRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.CloseDraftReply:
+        self.drafter.close(request.sequence_id)
+        return drafter_pb2.CloseDraftReply()
+
+    @_mapped
+    async def Status(
+        self, request: drafter_pb2.DrafterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.DrafterStatusReply:
+        batcher = self.drafter.batcher
+        return drafter_pb2.DrafterStatusReply(
+            kind=self.drafter.config.kind,
+            open_sequences=len(self.drafter.sequences),
+            runner_sequences=0,
+            proposals=batcher.calls,
+            batches=batcher.batches,
+            max_batch=batcher.max_batch,
+        )
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Serve until SIGTERM / SIGINT, then drain: health NOT_SERVING, in-flight calls get ``grace_s``."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+        ]
+    )
+    core: SimVerifier | SimDrafter
+    if config.role == "verifier":
+        core = SimVerifier(config)
+        verifier_pb2_grpc.add_VerifierServicer_to_server(SimVerifierServicer(core), server)
+        service, extra = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name, {"model": config.model}
+    else:
+        core = SimDrafter(config)
+        drafter_pb2_grpc.add_DrafterServicer_to_server(SimDrafterServicer(core), server)
+        service, extra = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name, {"kind": config.kind}
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    core.batcher.start()
+    await server.start()
+    for name in ("", service):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    print(json.dumps({"address": f"{config.host}:{port}", "role": config.role, **extra}), flush=True)
+    await stop.wait()
+    await health.enter_graceful_shutdown()
+    await server.stop(config.grace_s)
+    await core.batcher.stop()
+    batcher = core.batcher
+    LOG.info("answered %d calls in %d batches (largest %d)", batcher.calls, batcher.batches, batcher.max_batch)
