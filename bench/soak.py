@@ -1,0 +1,165 @@
+"""Soak: the real stack at a fixed QPS for minutes; 0 errors, 0 timeouts, p95 within the SLO, memory flat.
+
+Starts :func:`bench.stack.model_stack` (verifier, n-gram drafter, router as loopback subprocesses), runs
+``specdec bench`` against it at ``--qps`` (Poisson arrivals) for ``--duration`` seconds while a thread samples
+every service's resident memory, then writes ``NAME.json`` / ``NAME.md`` (the bench's own report) and
+``NAME-memory.json`` / ``NAME-memory.md`` (RSS series and the verdict) into ``--result-dir``.
+
+    python -m bench.soak --qps 0.4 --duration 600 --slo-ttft-ms 2000 --slo-itl-ms 500
+
+Memory counts as flat when, for every service, RSS at the end exceeds RSS one minute in (after warm-up and
+the first allocations of caches and pools) by less than ``--rss-tolerance-mb``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.stack import StackOptions, model_stack, rss_bytes
+
+MIB = 1024 * 1024
+SETTLE_S = 60.0  # RSS baseline: this long after the measured run starts
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """One service's memory over the soak, in MiB: ``baseline`` at SETTLE_S, ``end`` at the last sample."""
+
+    service: str
+    start: float
+    baseline: float
+    end: float
+    peak: float
+
+    @property
+    def growth(self) -> float:
+        return self.end - self.baseline
+
+
+def memory_verdicts(samples: list[dict], settle_s: float = SETTLE_S) -> list[MemoryVerdict]:
+    """Per service: RSS at the first sample, at the first sample ≥ ``settle_s``, at the last, and the peak.
+
+    ``samples`` are ``{"t": seconds since start, "rss": {service: bytes}}`` in time order.
+    """
+    if not samples:
+        return []
+    settled = next((s for s in samples if s["t"] >= settle_s), samples[-1])
+    verdicts = []
+    for service in samples[0]["rss"]:
+        series = [s["rss"][service] / MIB for s in samples if service in s["rss"]]
+        verdicts.append(MemoryVerdict(service, series[0], settled["rss"][service] / MIB, series[-1], max(series)))
+    return verdicts
+
+
+class MemorySampler(threading.Thread):
+    """Samples the RSS of ``pids`` every ``interval_s`` until stopped."""
+
+    def __init__(self, pids: dict[str, int], interval_s: float) -> None:
+        super().__init__(daemon=True)
+        self.pids = pids
+        self.interval_s = interval_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            rss = {}
+            for name, pid in self.pids.items():
+                try:
+                    rss[name] = rss_bytes(pid)
+                except (OSError, ValueError):
+                    continue  # the process is gone: the bench's errors will say why
+            self.samples.append({"t": round(time.monotonic() - self._started, 1), "rss": rss})
+            if self._stop.wait(self.interval_s):
+                return
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self.join()
+        return self.samples
+
+
+def memory_markdown(verdicts: list[MemoryVerdict], tolerance_mb: float, bench: dict, slo: dict) -> str:
+    lines = [
+        "| service | RSS start MiB | RSS at 1 min | RSS end | peak | growth after 1 min | flat |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        flat = "yes" if v.growth < tolerance_mb else "NO"
+        sizes = f"{v.start:.0f} | {v.baseline:.0f} | {v.end:.0f} | {v.peak:.0f}"
+        lines.append(f"| {v.service} | {sizes} | {v.growth:+.1f} | {flat} |")
+    p95_ttft, p95_itl = bench.get("p95_ttft_ms"), bench.get("p95_itl_ms")
+    checks = [
+        f"- completed {bench.get('completed')}, failed {bench.get('failed')}, timeouts {bench.get('timeouts')}",
+        f"- p95 TTFT {p95_ttft:.0f} ms (SLO {slo['ttft_ms']:.0f} ms): "
+        + ("within" if p95_ttft <= slo["ttft_ms"] else "OVER"),
+        f"- p95 ITL {p95_itl:.0f} ms (SLO {slo['itl_ms']:.0f} ms): "
+        + ("within" if p95_itl <= slo["itl_ms"] else "OVER"),
+        f"- memory flat (growth after the first minute < {tolerance_mb:.0f} MiB for every service): "
+        + ("yes" if all(v.growth < tolerance_mb for v in verdicts) else "NO"),
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(checks) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--qps", type=float, required=True, help="the configuration's measured target QPS")
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--speculation", default="pipelined")
+    parser.add_argument("--slo-ttft-ms", type=float, required=True)
+    parser.add_argument("--slo-itl-ms", type=float, required=True)
+    parser.add_argument("--rss-tolerance-mb", type=float, default=20.0)
+    parser.add_argument("--sample-interval", type=float, default=5.0)
+    parser.add_argument("--result-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", default="soak")
+    parser.add_argument("--prompts", type=Path, help="default: the bench's")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    with model_stack(StackOptions(drafter_kinds=("ngram",))) as stack:
+        sampler = MemorySampler(stack.pids(), args.sample_interval)
+        specdec = str(Path(sys.executable).with_name("specdec"))
+        command = [specdec, "bench", "--backend", "grpc", "--router", stack.grpc_address]
+        command += ["--base-url", stack.base_url, "--qps", str(args.qps), "--arrival", "poisson"]
+        command += ["--duration", str(args.duration), "--warmup", "4", "--max-tokens", str(args.max_tokens)]
+        command += ["--speculation", args.speculation, "--seed", str(args.seed), "--no-progress"]
+        command += ["--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-itl-ms", str(args.slo_itl_ms)]
+        command += ["--result-dir", str(args.result_dir), "--name", args.name]
+        if args.prompts:
+            command += ["--prompts", str(args.prompts)]
+        sampler.start()
+        status = subprocess.call(command)
+        samples = sampler.stop()
+    if status != 0:
+        print(f"specdec bench exited with status {status}", file=sys.stderr)
+        return status
+
+    result = json.loads((args.result_dir / f"{args.name}.json").read_text())
+    bench = dict(result)
+    verdicts = memory_verdicts(samples)
+    slo = {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}
+    report = memory_markdown(verdicts, args.rss_tolerance_mb, bench, slo)
+    (args.result_dir / f"{args.name}-memory.md").write_text(report)
+    payload = {
+        "qps": args.qps,
+        "duration_s": args.duration,
+        "slo": slo,
+        "samples": samples,
+        "verdicts": [{**v.__dict__, "growth": v.growth} for v in verdicts],
+    }
+    (args.result_dir / f"{args.name}-memory.json").write_text(json.dumps(payload, indent=1) + "\n")
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
