@@ -1,8 +1,14 @@
-"""Comparisons on the real stack, each in one run: a γ sweep checked against the cost model, and chain vs tree
-at the same verify budget (DESIGN §7).
+"""Comparisons on the real stack, each in one run: a QPS sweep with speculation off vs on, a γ sweep checked
+against the cost model, and chain vs tree at the same verify budget (DESIGN §7).
 
 Starts :func:`bench.stack.model_stack` (verifier, n-gram and early-exit drafters, router as loopback
-subprocesses) and drives it with the load generator at concurrency 1 (low-load latency: one request in
+subprocesses) and drives it with the load generator (:mod:`bench.load`).
+
+* **QPS sweep** (``qps``): open-loop Poisson arrivals at each ``--qps`` rate, ``off`` and ``pipelined``
+  interleaved at every rate, until saturation; the target QPS of each mode under ``--slo-ttft-ms`` /
+  ``--slo-itl-ms``. Written by the bench's own report as ``NAME-qps-sweep.*`` (plus one file per point).
+
+The other two sections run at concurrency 1 (low-load latency: one request in
 flight, so round times are the configuration's own, not queueing). Every configuration runs the same
 prompts: the measured requests are split into blocks and the configurations take turns block by block, so
 drift in the machine's load hits all of them alike.
@@ -14,9 +20,10 @@ drift in the machine's load hits all of them alike.
 * **chain vs tree** (early-exit drafter, sequential, ``--tree-temperature``): a chain of γ = B tokens against
   trees with B nodes, i.e. the same number of positions verified per round.
 
-    python -m bench.compare --sections gamma,tree --blocks 3 --block-size 4 --result-dir bench/results
+    python -m bench.compare --sections qps,gamma,tree --qps 0.25,0.5,1,1.5 --duration 60 \\
+        --slo-ttft-ms 3000 --slo-itl-ms 250 --blocks 3 --block-size 4 --result-dir bench/results
 
-Writes ``compare.json`` and ``compare.md``.
+Writes ``NAME.json`` and ``NAME.md`` (γ and tree sections) and the QPS sweep's files.
 """
 
 from __future__ import annotations
@@ -189,13 +196,49 @@ def tree_markdown(summaries: dict[str, dict[str, Any]], budget: int, temperature
     return "\n".join(lines) + "\n"
 
 
+def qps_sweep(stack: Any, args: argparse.Namespace, prompts: list, options: Any) -> dict[str, Any]:
+    """Open-loop sweep, off vs pipelined interleaved, through the bench's own sweep and report."""
+    from bench.load.backends import GrpcBackend
+    from bench.load.report import run_metadata, targets, write_results
+    from bench.load.runner import LoadSpec
+    from bench.load.summary import Slo
+    from bench.load.sweep import run_sweep
+
+    rates = [float(rate) for rate in args.qps.split(",")]
+    slo = Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=None, itl_ms=args.slo_itl_ms)
+    spec = LoadSpec(qps=rates[0], duration_s=args.duration, warmup_requests=2, seed=0)
+    points, stopped = asyncio.run(
+        run_sweep(
+            lambda: GrpcBackend(stack.grpc_address),
+            prompts,
+            options,
+            spec,
+            rates=rates,
+            modes=["off", "pipelined"],
+            slo=slo,
+            progress=False,
+            metrics_url=f"{stack.base_url}/metrics",
+            report=lambda point: print(f"  {point[1]['label']}: {point[1]['completed']} done", flush=True),
+        )
+    )
+    name = f"{args.name}-qps"
+    meta = run_metadata(name, sys.argv, vars(args) | {"result_dir": str(args.result_dir)})
+    write_results(args.result_dir, name, points, meta, slo=slo, stopped=stopped)
+    return {"target_qps": targets(points, slo), "stopped": stopped}
+
+
 def _brief(summary: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in summary.items() if key not in ("input_lens", "output_lens", "ttfts", "itls")}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="gamma,tree", help="comma-separated: gamma, tree")
+    parser.add_argument("--sections", default="qps,gamma,tree", help="comma-separated: qps, gamma, tree")
+    parser.add_argument("--qps", default="0.25,0.5,1,1.5,2", help="QPS sweep rates")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per QPS point")
+    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    parser.add_argument("--slo-itl-ms", type=float, default=250.0)
+    parser.add_argument("--qps-categories", help="prompt categories of the QPS sweep (default: all)")
     parser.add_argument("--gammas", default=",".join(map(str, GAMMAS)))
     parser.add_argument("--tree-budget", type=int, default=3, help="verified positions per round, chain and trees")
     parser.add_argument("--tree-temperature", type=float, default=0.0)
@@ -222,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     document: dict[str, Any] = run_metadata(args.name, sys.argv, vars(args) | {"result_dir": str(args.result_dir)})
     parts = [f"# Comparisons ({document['date']})", "", f"Command: `{' '.join(sys.argv)}`", ""]
     with model_stack(stack_options) as stack:
+        if "qps" in sections:
+            print("QPS sweep", flush=True)
+            categories = args.qps_categories.split(",") if args.qps_categories else None
+            sweep = qps_sweep(stack, args, load_prompts(args.prompts or default_prompts(), categories), options)
+            document["qps"] = sweep
+            parts.append(f"QPS sweep: see `{args.name}-qps-sweep.md`; target QPS {sweep['target_qps']}.\n")
         if "gamma" in sections:
             print("γ sweep", flush=True)
             summaries = asyncio.run(

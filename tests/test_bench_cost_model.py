@@ -38,3 +38,36 @@ def test_prediction_and_best_gamma() -> None:
     assert predicted_ms_per_token(0.5, 2, cost) == pytest.approx(40 / 1.75)
     assert best_gamma(0.5, cost, [1, 2, 3, 4]) == 2
     assert best_gamma(0.95, cost, [1, 2, 4, 8]) == 8
+
+
+def _summary(gamma: int, rounds: int, drafted: int, accepted: int, round_ms: float) -> dict:
+    tokens = rounds + accepted  # each round commits its accepted tokens plus one from the target
+    return {
+        "num_rounds": rounds,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted,
+        "tokens_per_round": tokens / rounds,
+        "wall_ms_per_round": round_ms,
+        "output_throughput": 1e3 * tokens / (rounds * round_ms),
+    }
+
+
+def test_gamma_analysis_puts_measured_numbers_beside_the_model() -> None:
+    from bench.compare import gamma_analysis
+
+    summaries = {
+        "γ=1": _summary(1, rounds=10, drafted=10, accepted=5, round_ms=12.0),  # α = 0.5
+        "γ=3": _summary(3, rounds=10, drafted=30, accepted=15, round_ms=16.0),  # α = 0.5
+    }
+    analysis = gamma_analysis(summaries, (1, 3))
+    assert analysis["cost"] == pytest.approx({"fixed_ms": 10.0, "per_token_ms": 2.0})
+    assert analysis["pooled_alpha"] == pytest.approx(0.5)
+    first, second = analysis["rows"]
+    assert first["model_tokens_per_round"] == pytest.approx(1.5)
+    assert second["model_tokens_per_round"] == pytest.approx(1.875)
+    assert first["ms_per_token"] == pytest.approx(12.0 / 1.5)  # measured: 15 tokens over 10 rounds
+    assert second["ms_per_token"] == pytest.approx(16.0 / 2.5)
+    assert second["model_ms_per_token"] == pytest.approx(16.0 / 1.875)
+    # model: 12 / 1.5 = 8.0 ms at γ=1 beats 16 / 1.875 = 8.53 at γ=3; measured 6.4 at γ=3 beats 8.0
+    assert analysis["best_gamma"] == {"measured": 3, "model": 1, "model_pooled_alpha": 1}
