@@ -1,4 +1,9 @@
-"""Starting and stopping a gRPC server with standard health checking, on a port chosen free."""
+"""Starting and stopping a gRPC server with standard health checking, on a port chosen free.
+
+Workers use the threaded server (:func:`start_server`): a call waits on a scheduler thread that owns the model.
+The router uses :func:`start_aio_server`, a ``grpc.aio`` server on its event loop: its streams are coroutines, not
+one thread each, so hundreds of concurrent streams cost no thread switches.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,10 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import grpc
+import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from grpc_common.errors import DomainErrorInterceptor
+from grpc_common.errors import AsyncDomainErrorInterceptor, DomainErrorInterceptor
 from grpc_common.metrics import MetricsServer
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -112,3 +118,51 @@ def start_server(
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server, health_servicer, host, bound)
+
+
+@dataclass
+class RunningAioServer:
+    """A started ``grpc.aio`` server; use it (and :meth:`stop`) on the loop it was started on."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Health NOT_SERVING, then in-flight RPCs get ``grace_s`` to finish before they are cancelled."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def start_aio_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> RunningAioServer:
+    """Start a ``grpc.aio`` server on the running loop with ``register``'s servicers, the error interceptor and
+    grpc.health.v1."""
+    server = grpc.aio.server(
+        interceptors=[AsyncDomainErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningAioServer(server, health_servicer, host, bound)

@@ -1,9 +1,9 @@
 """Process wiring: the router's event loop, its worker pool, the public gRPC server and the HTTP server.
 
 ``start_router(config)`` returns a :class:`RunningRouter` once both servers accept requests; tests use it
-in-process. Requests run on one asyncio loop in a background thread (worker calls use ``grpc.aio``); the public
-gRPC server is the threaded one of :mod:`grpc_common.server` with ``grpc.health.v1``, its handler threads
-forwarding to that loop; aiohttp serves HTTP on the loop itself.
+in-process. Everything runs on one asyncio loop in a background thread: worker calls (``grpc.aio`` clients), the
+public gRPC server (``grpc.aio``, with ``grpc.health.v1``) and aiohttp's HTTP server. No thread per stream: one
+loop holds a thousand concurrent streams.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-from grpc_common.server import RunningServer, start_server
+from grpc_common.server import RunningAioServer, start_aio_server
 from router.config import RouterConfig
 from router.frontend import Frontend
 from router.http import build_app
@@ -28,7 +28,6 @@ from specdec.models import load_tokenizer
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
-GRPC_SPARE_THREADS = 8  # handler threads beyond max_concurrent_requests: Status, refusals, health
 
 
 class EventLoopThread:
@@ -54,7 +53,7 @@ class RunningRouter:
 
     config: RouterConfig
     frontend: Frontend
-    grpc_server: RunningServer
+    grpc_server: RunningAioServer
     http_runner: web.AppRunner
     http_address: str
     loop_thread: EventLoopThread
@@ -67,7 +66,8 @@ class RunningRouter:
         """Stop taking requests, give those in flight ``grace_s`` (default: the config's) to finish, release all."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         self.frontend.draining = True
-        self.grpc_server.stop(grace)  # health NOT_SERVING, then in-flight RPCs get the grace, then are cancelled
+        # health NOT_SERVING, then in-flight RPCs get the grace, then are cancelled
+        self.loop_thread.run(self.grpc_server.stop(grace))
         self.loop_thread.run(self._stop_on_loop(grace))
         self.loop_thread.stop()
 
@@ -92,12 +92,13 @@ def start_router(config: RouterConfig, *, tokenizer: PreTrainedTokenizerBase | N
         pool = loop_thread.run(WorkerPool.start(config))
         frontend = Frontend(config, tokenizer, pool)
         http_runner, http_address = loop_thread.run(_start_http(frontend))
-        grpc_server = start_server(
-            lambda server: add_to_server(RouterServicer(frontend, loop_thread.loop), server),
-            [SERVICE_NAME],
-            host=config.host,
-            port=config.grpc_port,
-            max_workers=config.max_concurrent_requests + GRPC_SPARE_THREADS,
+        grpc_server = loop_thread.run(
+            start_aio_server(
+                lambda server: add_to_server(RouterServicer(frontend), server),
+                [SERVICE_NAME],
+                host=config.host,
+                port=config.grpc_port,
+            )
         )
     except BaseException:
         loop_thread.stop()

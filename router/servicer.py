@@ -1,21 +1,20 @@
 """The public ``specdec.v1.Router`` service: decode the proto, call the frontend, encode the stream.
 
-The gRPC server is the threaded one of :mod:`grpc_common.server` (its interceptor maps domain errors to status
-codes). ``Generate`` parses its request itself (:func:`add_to_server`), so an undecodable request (e.g. malformed
-UTF-8 in ``prompt``) is INVALID_ARGUMENT rather than the INTERNAL a failing deserializer gives. The request itself
-runs on the router's event loop. A handler thread hands the request to the loop,
-then forwards chunks from a queue; when the RPC ends early (client cancel, disconnect, deadline) a callback
-cancels the request on the loop, which closes its sequences on both workers.
+The gRPC server is the ``grpc.aio`` one of :mod:`grpc_common.server`, on the router's event loop (its interceptor
+maps domain errors to status codes). ``Generate`` parses its request itself (:func:`add_to_server`), so an
+undecodable request (e.g. malformed UTF-8 in ``prompt``) is INVALID_ARGUMENT rather than the INTERNAL a failing
+deserializer gives. The request runs as a task on the same loop and hands its chunks to the RPC through a queue;
+when the RPC ends early (client cancel, disconnect, deadline) the handler is cancelled and cancels the request,
+which closes its sequences on both workers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import queue
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import grpc
+import grpc.aio
 from google.protobuf.message import DecodeError
 from specdec_wire.v1 import router_pb2, router_pb2_grpc
 
@@ -87,51 +86,50 @@ def final_to_wire(final: Final) -> router_pb2.GenerateResponse:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """``Generate`` and ``Status`` over a :class:`Frontend` whose requests run on ``loop``."""
+    """``Generate`` and ``Status`` over a :class:`Frontend`, on the router's event loop."""
 
-    def __init__(self, frontend: Frontend, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
-        self.loop = loop
 
-    def _authorize(self, context: grpc.ServicerContext) -> None:
-        metadata = dict(context.invocation_metadata())
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
         try:
             self.frontend.authorize(metadata.get("authorization"))
         except UnauthenticatedError as error:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
 
-    def Generate(
-        self, request: router_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[router_pb2.GenerateResponse]:
-        self._authorize(context)
-        plan = self.frontend.plan(input_from_wire(request))
-        events: queue.SimpleQueue[object] = queue.SimpleQueue()
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        await self._authorize(context)
+        plan = await asyncio.to_thread(self.frontend.plan, input_from_wire(request))  # tokenizing: off the loop
+        chunks: asyncio.Queue[object] = asyncio.Queue()
 
         async def emit(chunk: Chunk) -> None:
-            events.put(chunk)
+            chunks.put_nowait(chunk)
 
-        future = asyncio.run_coroutine_threadsafe(self.frontend.generate(plan, emit), self.loop)
-        future.add_done_callback(lambda _: events.put(_DONE))
-        context.add_callback(future.cancel)  # the RPC ended (also normally: then this does nothing)
-        while (event := events.get()) is not _DONE:
-            assert isinstance(event, Chunk)
-            yield chunk_to_wire(event)
+        task = asyncio.ensure_future(self.frontend.generate(plan, emit))
+        task.add_done_callback(lambda _: chunks.put_nowait(_DONE))
         try:
-            final = future.result()
-        except concurrent.futures.CancelledError:
-            return  # the client is gone; the request was cancelled and cleans up on the loop
+            while (event := await chunks.get()) is not _DONE:
+                assert isinstance(event, Chunk)
+                yield chunk_to_wire(event)
+        finally:
+            task.cancel()  # the RPC ended early (or normally: then this does nothing)
+        try:
+            final = task.result()
         except CapacityError as error:
             seconds = error.retry_after_s if isinstance(error, OverloadedError) else self.frontend.config.retry_after_s
             context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(round(seconds * 1000))),))
             raise
         except (WorkerUnavailableError, NoWorkerError) as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         yield final_to_wire(final)
 
-    def Status(
-        self, request: router_pb2.RouterStatusRequest, context: grpc.ServicerContext
+    async def Status(
+        self, request: router_pb2.RouterStatusRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouterStatusReply:
-        self._authorize(context)
+        await self._authorize(context)
         workers = [
             router_pb2.WorkerStatus(
                 role=w.role, address=w.address, healthy=w.healthy, outstanding=w.outstanding, kind=w.kind or ""
@@ -151,16 +149,17 @@ def parse_generate_request(raw: bytes) -> router_pb2.GenerateRequest:
         raise InvalidArgumentError("request", f"cannot be decoded ({error}); are all strings valid UTF-8?") from None
 
 
-def add_to_server(servicer: RouterServicer, server: grpc.Server) -> None:
+def add_to_server(servicer: RouterServicer, server: grpc.aio.Server) -> None:
     """Register ``servicer`` as ``specdec.v1.Router``, with ``Generate`` receiving raw bytes to parse itself."""
 
-    def generate(raw: bytes, context: grpc.ServicerContext) -> Iterator[router_pb2.GenerateResponse]:
+    async def generate(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.GenerateResponse]:
         try:
             request = parse_generate_request(raw)
         except InvalidArgumentError as error:  # later failures are counted by the frontend
             servicer.frontend.metrics.request_failed(error)
             raise
-        return servicer.Generate(request, context)
+        async for response in servicer.Generate(request, context):
+            yield response
 
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
