@@ -350,10 +350,14 @@ class AsyncClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         tls: bool | grpc.ChannelCredentials = False,
         bearer_token: str | None = None,
+        channel_options: Sequence[tuple[str, str | int]] = (),
     ) -> None:
         credentials = _credentials(tls)
+        options = list(channel_options)
         self._channel = (
-            grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
+            grpc.aio.secure_channel(address, credentials, options)
+            if credentials
+            else grpc.aio.insecure_channel(address, options)
         )
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self.timeout_s = timeout_s
