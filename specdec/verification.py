@@ -216,6 +216,12 @@ class BatchVerifier:
         if sequence is not None:
             self._release(sequence)
 
+    def forward_tokens(self, call: VerifyCall) -> int:
+        """Positions ``call`` adds to a forward: the sequence's pending tokens (the whole prompt before its first
+        verification) plus the proposal's nodes; 0 for an unknown sequence, which :meth:`check` fails alone."""
+        sequence = self._sequences.get(call.sequence_id)
+        return 0 if sequence is None else len(sequence.pending) + len(call.proposal.tree)
+
     def check(self, call: VerifyCall) -> None:
         """Raise the error :meth:`verify` would raise for ``call`` alone, touching nothing.
 

@@ -298,6 +298,28 @@ def test_scheduler_batches_what_waits_and_a_bad_call_fails_alone(target) -> None
     assert isinstance(scheduler.status().exception(TIMEOUT_S), SchedulerStoppedError)
 
 
+def test_token_budget_splits_prefills_over_forwards(target) -> None:
+    """Each first Verify prefills its 2-token prompt plus 1 draft node: 3 positions. A budget of 5 runs them in
+    separate forwards, a budget of 6 in one; a call over the budget still runs (alone). Jobs queued before the
+    thread starts are taken together, so the batches are deterministic."""
+    good = Proposal(TokenTree.chain([3]), None)
+
+    def batch_sizes(max_batch_tokens: int) -> list[int]:
+        verifier = BatchVerifier(KVRunner(target.model))
+        scheduler = VerifyScheduler(verifier, max_batch_size=8, max_queued=8, max_batch_tokens=max_batch_tokens)
+        for name in "ab":
+            scheduler.open(name, [1, 2], GREEDY, 0, 4, frozenset(), True, False)
+        calls = [scheduler.verify(VerifyCall(name, good)) for name in "ab"]
+        scheduler.start()
+        sizes = [future.result(TIMEOUT_S).batch_size for future in calls]
+        scheduler.stop()
+        return sizes
+
+    assert batch_sizes(6) == [2, 2]
+    assert batch_sizes(5) == [1, 1]
+    assert batch_sizes(2) == [1, 1]
+
+
 def test_batch_window_gathers_late_calls_and_never_delays_a_lone_sequence(target) -> None:
     """A window far longer than the test: a batch that cannot grow is run at once, so only the batch sizes and
     a prompt answer depend on the window, never the timing."""

@@ -25,7 +25,9 @@ class VerifierConfig:
     ``batch_wait_ms`` for more while some open sequence has none queued (0: no window). The default 5 ms lets
     concurrent streams, whose replies the router handles one at a time, share each forward instead of
     splitting into groups that take turns (python -m bench.disaggregated, 8 streams on 2 CPUs: target-only
-    39 tok/s without the window, 53 at 2 ms, 61 at 5 ms, 59 at 10 ms). ``max_sequences`` bounds the open
+    39 tok/s without the window, 53 at 2 ms, 61 at 5 ms, 59 at 10 ms). ``max_batch_tokens`` caps the positions of
+    one forward (prefills of new prompts + draft nodes), so a burst of long new prompts is spread over several
+    forwards instead of stalling every stream's round for one huge one. ``max_sequences`` bounds the open
     sequences (beyond it OpenSequence answers RESOURCE_EXHAUSTED) and the queued Verify calls.
     ``max_seq_len`` (0: the model's context) caps prompt + generated tokens of a sequence. ``max_workers``
     (0: ``max_sequences + 8``) is the number of gRPC handler threads; a Verify call holds one while it waits.
@@ -41,6 +43,7 @@ class VerifierConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_batch_size: int = 32
+    max_batch_tokens: int = 2048
     batch_wait_ms: float = 5.0
     max_sequences: int = 256
     max_seq_len: int = 0
@@ -59,7 +62,7 @@ class VerifierConfig:
         check_metrics_port(self.metrics_port)
         if not 0 <= self.rank < self.world_size:
             raise InvalidArgumentError("rank", f"must be in [0, world_size = {self.world_size}), got {self.rank}")
-        for name in ("max_batch_size", "max_sequences", "max_message_bytes", "world_size"):
+        for name in ("max_batch_size", "max_batch_tokens", "max_sequences", "max_message_bytes", "world_size"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("batch_wait_ms", "max_seq_len", "max_workers", "torch_threads", "grace_s"):
@@ -96,6 +99,7 @@ class VerifierConfig:
         option("device", str, "torch device of the model")
         option("dtype", str, f"model precision: {', '.join(DTYPES)}")
         option("max_batch_size", int, "most Verify calls in one target forward")
+        option("max_batch_tokens", int, "most positions (prompt prefills + draft nodes) in one forward")
         option("batch_wait_ms", float, "how long to wait for more Verify calls after the first")
         option("max_sequences", int, "open sequences before OpenSequence answers RESOURCE_EXHAUSTED")
         option("max_seq_len", int, "context length per sequence (0: the model's)")

@@ -8,6 +8,11 @@ all torch work stay on one thread. Jobs of one sequence run in arrival order: a 
 job for a sequence it already holds. A call that fails its own checks fails alone; the rest of its batch goes
 on. A job whose caller has gone (Future cancelled) before it starts is skipped.
 
+A batch also holds at most ``max_batch_tokens`` positions (pending tokens + draft nodes; None: no bound), as
+vLLM's ``max_num_batched_tokens`` does: the first verification of a sequence prefills its whole prompt, and
+packing the prefills of many new long prompts into one forward would stall every other sequence's round for
+that long (on a CPU, tens of seconds: past the router's deadline). A call larger than the budget runs alone.
+
 The batch can grow while it is below ``max_batch_size`` and some open sequence has nothing queued. The
 scheduler cannot see a sequence busy elsewhere (at the drafter, in the router), so the window bounds the wait
 for it; a lone open sequence, or a batch holding every open sequence, is never delayed.
@@ -82,11 +87,13 @@ class VerifyScheduler:
         max_batch_size: int,
         max_queued: int,
         batch_wait_s: float = 0.0,
+        max_batch_tokens: int | None = None,
         metrics: VerifierMetrics | None = None,
     ) -> None:
         self.verifier = verifier
         self.metrics = VerifierMetrics() if metrics is None else metrics
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
         self.batch_wait_s = batch_wait_s
         self.max_queued = max_queued
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -213,8 +220,10 @@ class VerifyScheduler:
         return any(sequence_id not in busy for sequence_id in self.verifier.sequence_ids())
 
     def _run(self, jobs: list[_Job | _VerifyJob]) -> None:
-        """Run ``jobs`` in arrival order per sequence; Verify jobs batched (one per sequence per batch)."""
+        """Run ``jobs`` in arrival order per sequence; Verify jobs batched (one per sequence per batch, within
+        ``max_batch_size`` calls and ``max_batch_tokens`` positions)."""
         batch: list[_VerifyJob] = []
+        batch_tokens = 0
         for job in jobs:
             if isinstance(job, _VerifyJob):
                 with self._lock:
@@ -222,12 +231,17 @@ class VerifyScheduler:
                     self.metrics.waiting.set(self._queued)
                 if len(batch) == self.max_batch_size or any(j.call.sequence_id == job.call.sequence_id for j in batch):
                     self._run_batch(batch)
-                    batch = []
+                    batch, batch_tokens = [], 0
+                tokens = self.verifier.forward_tokens(job.call)
+                if batch and self.max_batch_tokens is not None and batch_tokens + tokens > self.max_batch_tokens:
+                    self._run_batch(batch)
+                    batch, batch_tokens = [], 0
                 batch.append(job)
+                batch_tokens += tokens
                 continue
             if job.sequence_id and any(j.call.sequence_id == job.sequence_id for j in batch):
                 self._run_batch(batch)
-                batch = []
+                batch, batch_tokens = [], 0
             if job.future.set_running_or_notify_cancel():
                 _settle(job.future, job.run)
         if batch:

@@ -46,6 +46,7 @@ def serve(config: VerifierConfig, runner: Runner, model: LoadedModel) -> Running
     scheduler = VerifyScheduler(
         verifier,
         max_batch_size=config.max_batch_size,
+        max_batch_tokens=config.max_batch_tokens,
         max_queued=config.max_sequences,
         batch_wait_s=config.batch_wait_ms / 1000,
         metrics=metrics,
