@@ -199,6 +199,7 @@ def tree_markdown(summaries: dict[str, dict[str, Any]], budget: int, temperature
 def qps_sweep(stack: Any, args: argparse.Namespace, prompts: list, options: Any) -> dict[str, Any]:
     """Open-loop sweep, off vs pipelined interleaved, through the bench's own sweep and report."""
     from bench.load.backends import GrpcBackend
+    from bench.load.cli import default_prompts
     from bench.load.report import run_metadata, targets, write_results
     from bench.load.runner import LoadSpec
     from bench.load.summary import Slo
@@ -222,7 +223,17 @@ def qps_sweep(stack: Any, args: argparse.Namespace, prompts: list, options: Any)
         )
     )
     name = f"{args.name}-qps"
-    meta = run_metadata(name, sys.argv, vars(args) | {"result_dir": str(args.result_dir)})
+    labels = {
+        "model": StackOptions().target,
+        "backend": "grpc",
+        "prompts": str(args.prompts or default_prompts()),
+        "max_tokens": options.max_tokens,
+        "temperature": options.temperature,
+        "ignore_eos": options.ignore_eos,
+        "seed": spec.seed,
+        "result_dir": str(args.result_dir),
+    }
+    meta = run_metadata(name, sys.argv, vars(args) | labels)
     write_results(args.result_dir, name, points, meta, slo=slo, stopped=stopped)
     return {"target_qps": targets(points, slo), "stopped": stopped}
 

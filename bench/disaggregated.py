@@ -430,16 +430,6 @@ class Bench:
 # --- main -----------------------------------------------------------------------------------------------------
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _load() -> str:
     return "/".join(f"{value:.2f}" for value in os.getloadavg())
 
@@ -472,6 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     from bench.colocated import PROMPTS, load_prompts
+    from bench.load.report import cpu_model
     from bench.services import Services
     from specdec.cli import encode_prompt, quiet_model_loading
     from specdec.client import Client
@@ -534,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "target": args.target,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "load_before": load_before,
         "load_after": _load(),

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -278,18 +277,6 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return f"{value:.{digits}f}"
 
 
-def _cpu() -> tuple[str, int | None]:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return model, os.cpu_count()
-
-
 def _commit() -> str:
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
@@ -326,7 +313,9 @@ def write_report(
     if ours is not None:
         (args.out_dir / "thirdparty-ours.json").write_text(json.dumps(ours, indent=1))
     t, o = guidellm_row(theirs), ours_row(ours)
-    cpu, cores = _cpu()
+    from bench.load.report import cpu_model
+
+    cpu, cores = cpu_model(), os.cpu_count()
     measured_at = datetime.fromtimestamp(theirs["benchmarks"][0]["start_time"], UTC)
     table = ["| metric | GuideLLM (theirs) | specdec bench (ours) |", "|---|---:|---:|"]
     for label, key, digits in ROWS:

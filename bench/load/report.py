@@ -29,7 +29,8 @@ _LIST_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "errors")
 # --- labels ---------------------------------------------------------------------------------------------------
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for labelling results."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -62,7 +63,7 @@ def environment() -> dict[str, Any]:
         [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     )
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "load_average": list(os.getloadavg()),
         "gpus": gpus,
