@@ -66,8 +66,8 @@ class MemorySampler(threading.Thread):
         self.pids = pids
         self.interval_s = interval_s
         self.samples: list[dict] = []
-        self._stop = threading.Event()
-        self._started = time.monotonic()
+        self._done = threading.Event()
+        self._origin = time.monotonic()
 
     def run(self) -> None:
         while True:
@@ -77,12 +77,12 @@ class MemorySampler(threading.Thread):
                     rss[name] = rss_bytes(pid)
                 except (OSError, ValueError):
                     continue  # the process is gone: the bench's errors will say why
-            self.samples.append({"t": round(time.monotonic() - self._started, 1), "rss": rss})
-            if self._stop.wait(self.interval_s):
+            self.samples.append({"t": round(time.monotonic() - self._origin, 1), "rss": rss})
+            if self._done.wait(self.interval_s):
                 return
 
     def stop(self) -> list[dict]:
-        self._stop.set()
+        self._done.set()
         self.join()
         return self.samples
 
