@@ -20,6 +20,7 @@ from grpc_common.errors import AsyncDomainErrorInterceptor, DomainErrorIntercept
 from grpc_common.metrics import MetricsServer
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_PENDING_CALLS = 100_000
 
 
 @dataclass
@@ -154,6 +155,10 @@ async def start_aio_server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC core CANCELs calls beyond 1000 not yet taken by the application; a burst of thousands of
+            # streams must reach the router's own admission control (RESOURCE_EXHAUSTED with a retry hint)
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
         ],
     )
     register(server)

@@ -8,6 +8,7 @@ deterministic. Real workers are exercised in ``test_router_services``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -190,6 +191,34 @@ def slow_stack() -> Iterator[Stack]:
     stack = Stack(delay_s=0.02, max_concurrent_requests=2, retry_after_s=2.5)
     yield stack
     stack.stop()
+
+
+@pytest.mark.slow
+def test_a_burst_of_thousands_of_streams_is_refused_not_cancelled(slow_stack: Stack) -> None:
+    """2500 streams at once against a router admitting 2: every refusal is RESOURCE_EXHAUSTED from the router's
+    admission control. (gRPC core used to CANCEL the calls past its 1000 pending ones.)"""
+
+    async def burst(count: int) -> collections.Counter:
+        codes: collections.Counter = collections.Counter()
+
+        async def one() -> None:
+            try:
+                async for _ in client.stream(prompt_ids=list(PROMPT), max_tokens=2):
+                    pass
+                codes["OK"] += 1
+            except ClientError as error:
+                codes[error.code.name] += 1
+
+        client = AsyncClient(slow_stack.router.grpc_address, timeout_s=60)
+        try:
+            await asyncio.gather(*(one() for _ in range(count)))
+        finally:
+            await client.close()
+        return codes
+
+    codes = asyncio.run(burst(2500))
+    assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, codes
+    assert sum(codes.values()) == 2500
 
 
 def wait_until(condition, timeout_s: float = 5.0) -> bool:

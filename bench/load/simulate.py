@@ -133,7 +133,7 @@ class SimulationConfig:
     num_verifiers: int = 1
     vocab_size: int = 49152
     seed: int = 0
-    max_concurrent_requests: int = 4096
+    max_concurrent_requests: int = 1024
     tokenizer: str = "smollm2-135m"
     model: str = "smollm2-135m"
     num_draft_tokens: int = 4
