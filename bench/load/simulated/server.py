@@ -25,7 +25,7 @@ from bench.load.simulated.config import WorkerConfig
 from bench.load.simulated.drafter import SimDrafter
 from bench.load.simulated.verifier import SimVerifier
 from grpc_common.errors import status_for
-from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
+from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES, MAX_PENDING_CALLS
 
 LOG = logging.getLogger("bench.load.simulated")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -151,6 +151,9 @@ async def serve(config: WorkerConfig) -> None:
         options=[
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            # a router at a thousand streams has a thousand calls in flight here: none may be CANCELLED by core
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
         ]
     )
     core: SimVerifier | SimDrafter
