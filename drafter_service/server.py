@@ -14,8 +14,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.scheduler import DraftScheduler
 from drafter_service.servicer import DrafterServicer
-from grpc_common.metrics import MetricsServer, start_metrics_server
-from grpc_common.server import RunningService, start_server
+from grpc_common.server import RunningService, start_service
 from specdec.drafters import Drafter, build_drafter, default_early_exit_layers
 from specdec.models import LoadedModel, load_model
 
@@ -73,21 +72,13 @@ def start_drafter(
     )
     scheduler.start()
     servicer = DrafterServicer(scheduler, config.kind, config.draft_config())
-    metrics_server: MetricsServer | None = None
-    try:
-        if config.metrics_port is not None:
-            metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port)
-        server = start_server(
-            lambda grpc_server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, grpc_server),
-            [SERVICE_NAME],
-            host=config.host,
-            port=config.port,
-            max_workers=config.max_workers,
-        )
-    except BaseException:
-        scheduler.stop()
-        if metrics_server is not None:
-            metrics_server.stop()
-        raise
-    LOG.info("%s drafter for %s serving on %s", config.kind, config.target, server.address)
-    return RunningDrafter(server, scheduler, config, metrics_server)
+    running = start_service(
+        scheduler,
+        config,
+        lambda grpc_server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, grpc_server),
+        [SERVICE_NAME],
+        metrics=metrics.registry,
+        max_workers=config.max_workers,
+    )
+    LOG.info("%s drafter for %s serving on %s", config.kind, config.target, running.address)
+    return running

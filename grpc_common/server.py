@@ -15,9 +15,10 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from grpc_common.errors import AsyncDomainErrorInterceptor, DomainErrorInterceptor
-from grpc_common.metrics import MetricsServer
+from grpc_common.metrics import MetricsServer, start_metrics_server
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_PENDING_CALLS = 100_000
@@ -52,6 +53,15 @@ class ServiceConfig(Protocol):
 
     @property
     def grace_s(self) -> float: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def metrics_port(self) -> int | None: ...
 
 
 SchedulerT = TypeVar("SchedulerT", bound=Scheduler)
@@ -89,6 +99,38 @@ class RunningService(Generic[SchedulerT, ConfigT]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def start_service(
+    scheduler: SchedulerT,
+    config: ConfigT,
+    register: Callable[[grpc.Server], None],
+    service_names: Sequence[str],
+    *,
+    metrics: CollectorRegistry,
+    max_workers: int,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> RunningService[SchedulerT, ConfigT]:
+    """Serve a worker whose ``scheduler`` is started: its gRPC server on ``config.host:config.port`` and, when
+    ``config.metrics_port`` is set, its ``metrics`` registry; if either fails to start, stop what was started."""
+    metrics_server: MetricsServer | None = None
+    try:
+        if config.metrics_port is not None:
+            metrics_server = start_metrics_server(metrics, config.host, config.metrics_port)
+        server = start_server(
+            register,
+            service_names,
+            host=config.host,
+            port=config.port,
+            max_workers=max_workers,
+            max_message_bytes=max_message_bytes,
+        )
+    except BaseException:
+        scheduler.stop()
+        if metrics_server is not None:
+            metrics_server.stop()
+        raise
+    return RunningService(server, scheduler, config, metrics_server)
 
 
 def start_server(

@@ -10,8 +10,7 @@ import logging
 import torch
 from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
 
-from grpc_common.metrics import MetricsServer, start_metrics_server
-from grpc_common.server import RunningService, start_server
+from grpc_common.server import RunningService, start_service
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
 from specdec.verification import BatchVerifier, Runner
@@ -55,22 +54,14 @@ def serve(config: VerifierConfig, runner: Runner, model: LoadedModel) -> Running
     servicer = VerifierServicer(
         scheduler, model_name=model.name, eos_token_ids=model.eos_token_ids, world_size=config.world_size
     )
-    metrics_server: MetricsServer | None = None
-    try:
-        if config.metrics_port is not None:
-            metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port)
-        server = start_server(
-            lambda grpc_server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, grpc_server),
-            [SERVICE_NAME],
-            host=config.host,
-            port=config.port,
-            max_workers=config.handler_threads,
-            max_message_bytes=config.max_message_bytes,
-        )
-    except BaseException:
-        scheduler.stop()
-        if metrics_server is not None:
-            metrics_server.stop()
-        raise
-    LOG.info("verifier for %s (%d ranks) serving on %s", model.name, config.world_size, server.address)
-    return RunningVerifier(server, scheduler, config, metrics_server)
+    running = start_service(
+        scheduler,
+        config,
+        lambda grpc_server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, grpc_server),
+        [SERVICE_NAME],
+        metrics=metrics.registry,
+        max_workers=config.handler_threads,
+        max_message_bytes=config.max_message_bytes,
+    )
+    LOG.info("verifier for %s (%d ranks) serving on %s", model.name, config.world_size, running.address)
+    return running
