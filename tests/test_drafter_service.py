@@ -30,6 +30,7 @@ from specdec.drafters import DraftConfig, Proposal
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams, make_generator
 from specdec.tree import TokenTree
+from tests.test_metrics import DRAFTER_NAMES, scrape
 from tests.tiny_models import tiny_draft, tiny_llama
 
 VOCAB = 16
@@ -471,12 +472,13 @@ def test_config_from_flags_over_environment() -> None:
 
 @pytest.mark.slow
 def test_standalone_process_serves_and_stops_on_sigterm(tmp_path: Path, target) -> None:
-    """``python -m drafter_service`` on a tiny checkpoint directory: one JSON line, serving, clean SIGTERM exit."""
+    """``python -m drafter_service`` on a tiny checkpoint directory: one JSON line (with the metrics address),
+    serving gRPC and ``/metrics``, clean SIGTERM exit."""
     target.model.save_pretrained(tmp_path / "tiny")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "SPECDEC_DRAFTER_TORCH_THREADS": "1"}
     command = [sys.executable, "-m", "drafter_service", "--kind", "early-exit", "--target", str(tmp_path / "tiny")]
     process = subprocess.Popen(
-        [*command, "--early-exit-layers", "1", "--grace-s", "1"],
+        [*command, "--early-exit-layers", "1", "--grace-s", "1", "--metrics-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -488,6 +490,8 @@ def test_standalone_process_serves_and_stops_on_sigterm(tmp_path: Path, target) 
         assert line, process.stderr.read()
         ready = json.loads(line)
         assert ready["kind"] == "early-exit"
+        _, names = scrape(ready["metrics"])
+        assert not DRAFTER_NAMES - names
         channel = grpc.insecure_channel(ready["address"])
         health = health_pb2_grpc.HealthStub(channel)
         reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=TIMEOUT_S)

@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -377,30 +371,3 @@ def test_overload_refusal_counts_as_resource_exhausted(slow_stack: Stack) -> Non
         value(after, "vllm:request_success_total", model_name=model, finished_reason="length")
         == value(before, "vllm:request_success_total", model_name=model, finished_reason="length") + 1
     )
-
-
-@pytest.mark.slow
-def test_standalone_drafter_reports_its_metrics_address(tmp_path: Path) -> None:
-    """``python -m drafter_service --metrics-port 0``: the ready line names the metrics address, which serves."""
-    tiny_llama(seed=3, vocab_size=VOCAB).model.save_pretrained(tmp_path / "tiny")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SPECDEC_DRAFTER_TORCH_THREADS": "1"}
-    flags = ["--metrics-port", "0", "--grace-s", "0"]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "drafter_service", "--kind", "ngram", "--target", str(tmp_path / "tiny"), *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-    try:
-        line = process.stdout.readline()
-        assert line, process.stderr.read()
-        _, names = scrape(json.loads(line)["metrics"])
-        assert not DRAFTER_NAMES - names
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
