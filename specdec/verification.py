@@ -19,6 +19,13 @@ row, so the pre-drafted chain's first token is verified against ``p(γ+1)`` exac
 fresh round would be; if the next proposal is empty the bonus is drawn from the kept row. The round that
 deferred discards its ``draw_uniform`` unused and the next round draws its own, so no uniform is used twice.
 A bonus that would be the sequence's last token (budget) is never deferred: there is nothing to pipeline.
+
+Chunked prefill (vLLM's chunked prefill under ``max_num_batched_tokens``). A sequence's prompt waits in
+``pending`` until its first verification forwards it. A :class:`PrefillChunk` passed to :meth:`BatchVerifier.verify`
+forwards the next part of it in the same runner forward as the calls (the runner item has an empty tree) and
+commits it; the last pending token always stays, because the forward that verifies the first proposal must
+produce the root row at it. The chunk's logits are dropped and no random number is drawn, so chunking changes
+which forward computes a prompt position's KV and nothing the acceptance rule reads.
 """
 
 from __future__ import annotations
@@ -80,6 +87,14 @@ class VerifyCall:
     sequence_id: str
     proposal: Proposal
     defer_bonus: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """The next ``num_tokens`` pending prompt tokens of a sequence, forwarded into its KV cache, verifying nothing."""
+
+    sequence_id: str
+    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -185,7 +200,7 @@ class BatchVerifier:
         ignore_eos: bool = False,
         logprobs: bool = False,
     ) -> None:
-        """Open a sequence; the prompt is prefilled with its first :meth:`verify`.
+        """Open a sequence; the prompt is prefilled with its first :meth:`verify` (or chunk by chunk before it).
 
         Raises InvalidArgumentError (bad or duplicate id, bad request fields) or CapacityError (``max_sequences``).
         """
@@ -217,10 +232,15 @@ class BatchVerifier:
             self._release(sequence)
 
     def forward_tokens(self, call: VerifyCall) -> int:
-        """Positions ``call`` adds to a forward: the sequence's pending tokens (the whole prompt before its first
-        verification) plus the proposal's nodes; 0 for an unknown sequence, which :meth:`check` fails alone."""
+        """Positions ``call`` adds to a forward: the sequence's pending tokens (the rest of the prompt before its
+        first verification) plus the proposal's nodes; 0 for an unknown sequence, which :meth:`check` fails alone."""
         sequence = self._sequences.get(call.sequence_id)
         return 0 if sequence is None else len(sequence.pending) + len(call.proposal.tree)
+
+    def prefillable(self, sequence_id: str) -> int:
+        """Pending tokens a :class:`PrefillChunk` may take now: all but the last; 0 for an unknown sequence."""
+        sequence = self._sequences.get(sequence_id)
+        return 0 if sequence is None else max(len(sequence.pending) - 1, 0)
 
     def check(self, call: VerifyCall) -> None:
         """Raise the error :meth:`verify` would raise for ``call`` alone, touching nothing.
@@ -252,22 +272,34 @@ class BatchVerifier:
         if proposal.draft_probs is not None:
             _check_draft_rows(tree, proposal.draft_probs, vocab)
 
-    def verify(self, calls: Sequence[VerifyCall]) -> list[VerifyOutcome]:
-        """Verify one proposal per sequence in one target forward and commit the accepted paths.
+    def verify(self, calls: Sequence[VerifyCall], prefills: Sequence[PrefillChunk] = ()) -> list[VerifyOutcome]:
+        """Verify one proposal per sequence in one target forward and commit the accepted paths; the same forward
+        prefills ``prefills`` (each ``num_tokens`` in ``[1, prefillable]``). Returns one outcome per call.
 
-        Every call is checked (:meth:`check`) before any state changes; a sequence may appear once.
+        Every call is checked (:meth:`check`) and every chunk sized before any state changes; a sequence may
+        appear once among calls and chunks together.
         """
-        if len({call.sequence_id for call in calls}) != len(calls):
+        sequence_ids = [call.sequence_id for call in calls] + [chunk.sequence_id for chunk in prefills]
+        if len(set(sequence_ids)) != len(sequence_ids):
             raise InvalidArgumentError("sequence_id", "a sequence appears twice in one batch")
         for call in calls:
             self.check(call)
+        for chunk in prefills:
+            self._get(chunk.sequence_id)
+            limit = self.prefillable(chunk.sequence_id)
+            if not 1 <= chunk.num_tokens <= limit:
+                raise InvalidArgumentError("num_tokens", f"must be in [1, {limit}], got {chunk.num_tokens}")
         started = time.perf_counter()
         jobs = [self._job(call) for call in calls]
-        self._forward(jobs)
+        chunks = [(self._sequences[chunk.sequence_id], chunk.num_tokens) for chunk in prefills]
+        self._forward(jobs, chunks)
         self._decide(jobs)
         verified = time.perf_counter()
         for job in jobs:
             self._commit(job)
+        for sequence, count in chunks:  # the prompt's head now has KV; the rest stays pending
+            self.runner.commit(sequence.runner_seq, count)
+            sequence.pending = sequence.pending[count:]
         committed = time.perf_counter()
         return [
             VerifyOutcome(
@@ -300,12 +332,15 @@ class BatchVerifier:
         forwarded = sequence.root_row is None or len(call.proposal.tree) > 0
         return _Job(call, sequence, forwarded, sequence.runner_seq, len(sequence.pending))
 
-    def _forward(self, jobs: list[_Job]) -> None:
-        """One runner forward for every job that needs it; fill ``job.rows`` [N + 1, V] for the rule."""
+    def _forward(self, jobs: list[_Job], chunks: list[tuple[_Sequence, int]]) -> None:
+        """One runner forward for every job that needs it and every prefill chunk (the first ``count`` pending
+        tokens, no tree); fill ``job.rows`` [N + 1, V] for the rule."""
         forwarded = [job for job in jobs if job.forwarded]
         items = [ForwardItem(job.runner_seq, job.sequence.pending, job.call.proposal.tree) for job in forwarded]
+        items += [ForwardItem(sequence.runner_seq, sequence.pending[:count]) for sequence, count in chunks]
         outputs = self.runner.forward(items) if items else []
-        for job, logits in zip(forwarded, outputs, strict=True):  # logits [1 + N, V], or [N, V] off a kept row
+        # logits [1 + N, V], or [N, V] off a kept row; the chunks' rows (after the jobs') are not needed
+        for job, logits in zip(forwarded, outputs[: len(forwarded)], strict=True):
             params = job.sequence.params
             job.rows = logits if params.greedy else logits_to_probs(logits, params).cpu()
         for job in jobs:

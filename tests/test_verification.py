@@ -16,7 +16,7 @@ from specdec.models import LoadedModel
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.tree import TokenTree
-from specdec.verification import BatchVerifier, SequenceNotFoundError, VerifyCall
+from specdec.verification import BatchVerifier, PrefillChunk, SequenceNotFoundError, VerifyCall
 from tests.exact_law import random_model
 from tests.test_end_to_end_distribution import LENGTH, PROMPT, SAMPLES, VOCAB, assert_same_law, exact_law
 from tests.tiny_models import tiny_llama
@@ -84,14 +84,31 @@ class GreedyScript:
         return VerifyCall(sequence_id, Proposal(tree, draft, "iid"), defer_bonus=rng.random() < 0.7)
 
 
-def run_greedy(verifier: BatchVerifier, scripts: dict[str, GreedyScript]) -> dict[str, tuple[list[int], int]]:
-    """Drive every sequence to its end in batched rounds; returns (output, deferred rounds) per id."""
+def run_greedy(
+    verifier: BatchVerifier, scripts: dict[str, GreedyScript], budget: int | None = None
+) -> dict[str, tuple[list[int], int]]:
+    """Drive every sequence to its end in batched rounds; returns (output, deferred rounds) per id.
+
+    With ``budget``, a call over ``budget`` positions whose prompt has tokens to spare waits while up to
+    ``budget`` of them are prefilled (a :class:`PrefillChunk` in the forward of the other sequences' calls).
+    """
     outputs = {sequence_id: [] for sequence_id in scripts}
     deferred = Counter()
     active = list(scripts)
+    waiting: dict[str, VerifyCall] = {}  # each sequence's next call, drawn once
     while active:
-        calls = [scripts[sid].call(sid, len(outputs[sid])) for sid in active]
-        for call, outcome in zip(calls, verifier.verify(calls), strict=True):
+        for sid in active:
+            if sid not in waiting:
+                waiting[sid] = scripts[sid].call(sid, len(outputs[sid]))
+        chunks = [
+            PrefillChunk(sid, min(budget, verifier.prefillable(sid)))
+            for sid, call in waiting.items()
+            if budget is not None and verifier.forward_tokens(call) > budget and verifier.prefillable(sid)
+        ]
+        chunked = {chunk.sequence_id for chunk in chunks}
+        calls = [call for sid, call in waiting.items() if sid not in chunked]
+        for call, outcome in zip(calls, verifier.verify(calls, chunks), strict=True):
+            del waiting[call.sequence_id]
             outputs[call.sequence_id] += outcome.verdict.emitted
             deferred[call.sequence_id] += outcome.bonus_deferred
             assert outcome.batch_size == len(calls)
@@ -122,6 +139,74 @@ def test_greedy_batched_equals_alone_equals_target(target) -> None:
         assert together[f"s{index}"] == alone
         assert alone[0] == truths[index]
     assert sum(deferred for _, deferred in together.values()) >= 5, "the scripts should defer some bonuses"
+
+
+LONG_PROMPTS = [
+    [(3 * i + 1) % 7 for i in range(17)],
+    [4, 0, 6, 2] * 3,
+    [5],
+    [2, 6, 1, 3],
+    [i * i % 8 for i in range(9)],
+]
+BUDGET = 4
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.95)], ids=str)
+def test_chunked_prefill_changes_no_token(params: SamplingParams, target) -> None:
+    """Prompts up to four times a budget of 4 prefilled 4 tokens at a time, in the forwards of the other sequences'
+    calls, give the tokens their whole-prompt prefill gives: chunks consume no randomness and commit the KV the
+    whole prompt would; greedy, both are the target's own continuation."""
+    truths = [hf_greedy(target, prompt, MAX_TOKENS) for prompt in LONG_PROMPTS]
+
+    def run(budget: int | None) -> dict[str, tuple[list[int], int]]:
+        verifier = BatchVerifier(KVRunner(target.model))
+        scripts = {}
+        for index, prompt in enumerate(LONG_PROMPTS):
+            verifier.open(f"s{index}", prompt, params, 50 + index, MAX_TOKENS, frozenset(), ignore_eos=True)
+            scripts[f"s{index}"] = GreedyScript(index, truths[index], target.vocab_size)
+        outputs = run_greedy(verifier, scripts, budget)
+        assert verifier.num_open == 0 and verifier.runner.num_open == 0
+        return outputs
+
+    whole, chunked = run(None), run(BUDGET)
+    assert chunked == whole
+    if params.greedy:
+        assert [whole[f"s{index}"][0] for index in range(len(LONG_PROMPTS))] == truths
+
+
+def test_prefill_chunks_leave_the_last_prompt_token(target) -> None:
+    """A chunk commits the head of the prompt; the last token waits for the verification, which needs its row;
+    bad chunks are refused before anything changes."""
+    prompt = LONG_PROMPTS[0]
+    verifier = BatchVerifier(KVRunner(target.model))
+    verifier.open("a", prompt, GREEDY, None, 4, frozenset(), ignore_eos=True)
+    verifier.open("b", [4], GREEDY, None, 4, frozenset(), ignore_eos=True)
+    empty = VerifyCall("a", Proposal(TokenTree.empty(), None))
+    assert (verifier.prefillable("a"), verifier.prefillable("b"), verifier.prefillable("nope")) == (16, 0, 0)
+    for chunk, error in [
+        (PrefillChunk("a", 0), "num_tokens"),
+        (PrefillChunk("a", len(prompt)), "num_tokens"),
+        (PrefillChunk("b", 1), "num_tokens"),
+    ]:
+        with pytest.raises(InvalidArgumentError) as raised:
+            verifier.verify([], [chunk])
+        assert raised.value.field == error
+    with pytest.raises(SequenceNotFoundError):
+        verifier.verify([], [PrefillChunk("nope", 1)])
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        verifier.verify([empty], [PrefillChunk("a", 1)])
+    runner_seq = verifier._sequences["a"].runner_seq
+    assert verifier.runner.length(runner_seq) == 0, "refused chunks change nothing"
+    [outcome] = verifier.verify([VerifyCall("b", Proposal(TokenTree.empty(), None))], [PrefillChunk("a", 10)])
+    assert outcome.batch_size == 1
+    assert verifier.runner.length(runner_seq) == 10 and verifier.forward_tokens(empty) == 7
+    assert verifier.verify([], [PrefillChunk("a", 6)]) == []
+    assert verifier.prefillable("a") == 0 and verifier.forward_tokens(empty) == 1
+    [outcome] = verifier.verify([empty])
+    assert outcome.verdict.emitted == hf_greedy(target, prompt, 1)
+    verifier.close("a")
+    verifier.close("b")
+    assert verifier.runner.num_open == 0
 
 
 # --- the deferred bonus keeps the target's law ----------------------------------------------------------------

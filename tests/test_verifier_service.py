@@ -11,7 +11,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -24,10 +25,10 @@ from grpc_common.convert import proposal_to_wire, sampling_to_wire
 from specdec.drafters.base import Proposal
 from specdec.errors import CapacityError, InvalidArgumentError
 from specdec.models import LoadedModel
-from specdec.runner import KVRunner
+from specdec.runner import ForwardItem, KVRunner
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
-from specdec.verification import BatchVerifier, VerifyCall
+from specdec.verification import BatchVerifier, SequenceNotFoundError, VerifyCall
 from tests.tiny_models import tiny_llama
 from verifier_service.config import VerifierConfig
 from verifier_service.scheduler import SchedulerStatus, SchedulerStoppedError, VerifyScheduler
@@ -299,9 +300,10 @@ def test_scheduler_batches_what_waits_and_a_bad_call_fails_alone(target) -> None
 
 
 def test_token_budget_splits_prefills_over_forwards(target) -> None:
-    """Each first Verify prefills its 2-token prompt plus 1 draft node: 3 positions. A budget of 5 runs them in
-    separate forwards, a budget of 6 in one; a call over the budget still runs (alone). Jobs queued before the
-    thread starts are taken together, so the batches are deterministic."""
+    """Each first Verify prefills its 2-token prompt plus 1 draft node: 3 positions. A budget of 6 runs them in
+    one forward; a budget of 5 verifies one and prefills a token of the other's prompt in the room left, then
+    verifies it; a budget of 2 prefills a token of each prompt, then verifies them in turn. Jobs queued before
+    the thread starts are taken together, so the batches are deterministic."""
     good = Proposal(TokenTree.chain([3]), None)
 
     def batch_sizes(max_batch_tokens: int) -> list[int]:
@@ -318,6 +320,102 @@ def test_token_budget_splits_prefills_over_forwards(target) -> None:
     assert batch_sizes(6) == [2, 2]
     assert batch_sizes(5) == [1, 1]
     assert batch_sizes(2) == [1, 1]
+
+
+class CountingRunner(KVRunner):
+    """Records the positions of every forward, then calls ``on_forward(count of forwards)`` (scheduler thread)."""
+
+    def __init__(self, model: torch.nn.Module, on_forward: Callable[[int], None] = lambda count: None) -> None:
+        super().__init__(model)
+        self.positions: list[int] = []
+        self.on_forward = on_forward
+
+    def forward(self, items: Sequence[ForwardItem], *, all_logits: bool = False) -> list[torch.Tensor]:
+        self.positions.append(sum(len(item.pending) + len(item.tree) for item in items))
+        logits = super().forward(items, all_logits=all_logits)
+        self.on_forward(len(self.positions))
+        return logits
+
+
+LONG_PROMPT = [(5 * i + 1) % VOCAB for i in range(40)]
+BUDGET = 4
+
+
+def test_chunked_prefill_lets_short_rounds_go_first(target) -> None:
+    """With a budget of 4, a 40-token prompt is prefilled in the room a short sequence's rounds leave: no forward
+    holds more than 4 positions, every short round is answered before the long call, and both outputs are the
+    target's greedy ones. Each short round is submitted as the last one is answered (on the scheduler thread)."""
+    runner = CountingRunner(target.model)
+    scheduler = VerifyScheduler(BatchVerifier(runner), max_batch_size=8, max_queued=8, max_batch_tokens=BUDGET)
+    long_truth, short_truth = hf_greedy(target, LONG_PROMPT, 2), hf_greedy(target, [1, 2], 6)
+    scheduler.open("long", LONG_PROMPT, GREEDY, 0, 2, frozenset(), True, False)
+    scheduler.open("short", [1, 2], GREEDY, 0, 6, frozenset(), True, False)
+    answered: list[str] = []
+    short_out: list[int] = []
+    short_done = threading.Event()
+
+    def next_short(future: Future | None) -> None:
+        if future is not None:
+            answered.append("short")
+            outcome = future.result()
+            short_out.extend(outcome.verdict.emitted)
+            if outcome.verdict.finished:
+                short_done.set()
+                return
+        chain = Proposal(TokenTree.chain(short_truth[len(short_out) : len(short_out) + 1]), None)
+        scheduler.verify(VerifyCall("short", chain)).add_done_callback(next_short)
+
+    long_call = scheduler.verify(VerifyCall("long", Proposal(TokenTree.chain(long_truth[:1]), None)))
+    long_call.add_done_callback(lambda future: answered.append("long"))
+    next_short(None)
+    scheduler.start()
+    assert long_call.result(TIMEOUT_S).verdict.emitted == long_truth
+    assert short_done.wait(TIMEOUT_S) and short_out == short_truth
+    assert answered == ["short"] * 3 + ["long"], "the short rounds waited for the long prefill"
+    assert max(runner.positions) <= BUDGET and sum(runner.positions) == len(LONG_PROMPT) + 1 + 3 + 2 * 2
+    chunks = scheduler.metrics.registry.get_sample_value("specdec:verifier_prefill_chunks_total")
+    assert chunks == len(runner.positions) - 1, "every forward but the long call's own prefilled a chunk"
+    scheduler.stop()
+    assert runner.num_open == 0
+
+
+def test_close_or_cancel_during_a_chunked_prefill(target) -> None:
+    """A Verify cancelled while its prompt is prefilled stops the prefill, and the next call goes on from the
+    chunks already in place; a CloseSequence mid-prefill frees the runner's sequence at once and fails the
+    waiting Verify as for an unknown sequence, and the id can be opened afresh; stop() finishes a prefill."""
+    actions: dict[int, Callable[[], None]] = {}
+    runner = CountingRunner(target.model, lambda count: actions.pop(count, lambda: None)())
+    verifier = BatchVerifier(runner)
+    scheduler = VerifyScheduler(verifier, max_batch_size=8, max_queued=8, max_batch_tokens=BUDGET)
+    truth = hf_greedy(target, LONG_PROMPT, 2)
+    chain = Proposal(TokenTree.chain(truth[:1]), None)
+
+    scheduler.open("a", LONG_PROMPT, GREEDY, 0, 2, frozenset(), True, False)
+    cancelled, seen = scheduler.verify(VerifyCall("a", chain)), threading.Event()
+    actions[2] = lambda: seen.set() if cancelled.cancel() else None  # after the second chunk, between forwards
+    scheduler.start()
+    assert seen.wait(TIMEOUT_S)
+    scheduler.status().result(TIMEOUT_S)  # a later pass: the cancelled call is dropped
+    assert runner.positions == [BUDGET, BUDGET]
+    assert scheduler.verify(VerifyCall("a", chain)).result(TIMEOUT_S).verdict.emitted == truth
+    assert scheduler.close("a").result(TIMEOUT_S) is None and runner.num_open == 0
+
+    scheduler.open("b", LONG_PROMPT, GREEDY, 0, 2, frozenset(), True, False).result(TIMEOUT_S)
+    closed: list[Future] = []
+    actions[len(runner.positions) + 2] = lambda: closed.append(scheduler.close("b"))
+    waiting = scheduler.verify(VerifyCall("b", chain))
+    assert isinstance(waiting.exception(TIMEOUT_S), SequenceNotFoundError)
+    assert closed[0].result(TIMEOUT_S) is None and runner.num_open == 0 and verifier.num_open == 0
+    scheduler.open("b", [1, 2], GREEDY, 0, 2, frozenset(), True, False).result(TIMEOUT_S)
+    empty = Proposal(TokenTree.empty(), None)
+    assert scheduler.verify(VerifyCall("b", empty)).result(TIMEOUT_S).verdict.emitted == hf_greedy(target, [1, 2], 1)
+    scheduler.close("b").result(TIMEOUT_S)
+
+    scheduler.open("c", LONG_PROMPT, GREEDY, 0, 2, frozenset(), True, False).result(TIMEOUT_S)
+    last = scheduler.verify(VerifyCall("c", chain))
+    scheduler.stop()
+    assert last.result(0).verdict.emitted == truth and runner.num_open == 0
+    assert max(runner.positions) <= BUDGET
 
 
 def test_batch_window_gathers_late_calls_and_never_delays_a_lone_sequence(target) -> None:

@@ -29,6 +29,11 @@ class VerifierMetrics:
             registry=registry,
         )
         self.verify_calls = Counter("specdec:verifier_verify_calls", "Verify calls answered.", registry=registry)
+        self.prefill_chunks = Counter(
+            "specdec:verifier_prefill_chunks",
+            "Prompt chunks prefilled ahead of their sequence's first verification (chunked prefill).",
+            registry=registry,
+        )
         self.running = Gauge("vllm:num_requests_running", "Open sequences.", ["model_name"], registry=registry).labels(
             model_name
         )

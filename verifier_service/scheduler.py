@@ -8,10 +8,18 @@ all torch work stay on one thread. Jobs of one sequence run in arrival order: a 
 job for a sequence it already holds. A call that fails its own checks fails alone; the rest of its batch goes
 on. A job whose caller has gone (Future cancelled) before it starts is skipped.
 
-A batch also holds at most ``max_batch_tokens`` positions (pending tokens + draft nodes; None: no bound), as
-vLLM's ``max_num_batched_tokens`` does: the first verification of a sequence prefills its whole prompt, and
-packing the prefills of many new long prompts into one forward would stall every other sequence's round for
-that long (on a CPU, tens of seconds: past the router's deadline). A call larger than the budget runs alone.
+A forward also holds at most ``max_batch_tokens`` positions (pending tokens + draft nodes + prefill chunks; None:
+no bound), as vLLM's ``max_num_batched_tokens`` does with chunked prefill: the first verification of a sequence
+prefills its prompt, and one forward over a long prompt (or many) would stall every other sequence's round for
+that long (on a CPU, tens of seconds: past the router's deadline). A Verify call that does not fit what the batch
+leaves of the budget, while its prompt has tokens to spare, is carried over from forward to forward while its
+prompt is prefilled a chunk at a time (:class:`~specdec.verification.PrefillChunk`): each forward takes its Verify
+calls first and the chunks fill the room they leave, in arrival order, as vLLM schedules decodes before prefills.
+Once the rest of the prompt fits, the call is verified like any other. Meanwhile jobs are taken between forwards
+(without the batch window), so other sequences' rounds go on; a later Verify of the same sequence waits behind the
+carried one; a CloseSequence frees the sequence at once and fails its carried calls as calls to an unknown
+sequence; a carried call whose caller has gone is dropped. Only a call whose draft tree alone exceeds the budget
+still runs alone, over it.
 
 The batch can grow while it is below ``max_batch_size`` and some open sequence has nothing queued. The
 scheduler cannot see a sequence busy elsewhere (at the drafter, in the router), so the window bounds the wait
@@ -34,7 +42,7 @@ from typing import Any
 
 from specdec.errors import CapacityError, SpecdecError
 from specdec.sampling import SamplingParams
-from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
+from specdec.verification import BatchVerifier, PrefillChunk, SequenceNotFoundError, VerifyCall, VerifyOutcome
 from verifier_service.metrics import VerifierMetrics
 
 LOG = logging.getLogger(__name__)
@@ -101,6 +109,9 @@ class VerifyScheduler:
         self._queued = 0
         self._stopped = False
         self._calls = self._batches = self._max_batch = 0  # scheduler thread only
+        # Verify jobs taken but not answered, in arrival order: calls whose prompts are being prefilled and the
+        # later calls of their sequences (scheduler thread only)
+        self._carried: list[_VerifyJob] = []
         self._thread = threading.Thread(target=self._loop, name="verifier-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -185,19 +196,22 @@ class VerifyScheduler:
     def _loop(self) -> None:
         while True:
             jobs = self._take()
-            if jobs[-1] is _STOP:  # nothing is submitted after it
-                self._run(jobs[:-1])
+            stopping = bool(jobs) and jobs[-1] is _STOP  # nothing is submitted after it
+            self._run(jobs[:-1] if stopping else jobs)
+            if stopping:
+                while self._carried:  # finish the prompts being prefilled
+                    self._run([])
                 return
-            self._run(jobs)
             self.metrics.running.set(self.verifier.num_open)
 
     def _take(self) -> list:
-        """Block for one job, then take every job queued; after a Verify, wait up to ``batch_wait_s`` for more
-        while the batch can still grow."""
-        jobs = [self._queue.get()]
+        """Every job queued. With no call carried over, block for one job, then after a Verify wait up to
+        ``batch_wait_s`` for more while the batch can still grow; with carried calls, wait for nothing: their
+        prompts' next chunks go on at once."""
+        jobs = [] if self._carried else [self._queue.get()]
         deadline = None  # set by the first Verify taken
-        while jobs[-1] is not _STOP:
-            if deadline is None and isinstance(jobs[-1], _VerifyJob):
+        while not jobs or jobs[-1] is not _STOP:
+            if deadline is None and not self._carried and isinstance(jobs[-1], _VerifyJob):
                 deadline = time.monotonic() + self.batch_wait_s
             wait = deadline - time.monotonic() if deadline is not None else 0.0
             try:
@@ -220,35 +234,75 @@ class VerifyScheduler:
         return any(sequence_id not in busy for sequence_id in self.verifier.sequence_ids())
 
     def _run(self, jobs: list[_Job | _VerifyJob]) -> None:
-        """Run ``jobs`` in arrival order per sequence; Verify jobs batched (one per sequence per batch, within
-        ``max_batch_size`` calls and ``max_batch_tokens`` positions)."""
-        batch: list[_VerifyJob] = []
-        batch_tokens = 0
+        """Run the carried Verify jobs, then ``jobs``, in arrival order per sequence; Verify jobs batched (one per
+        sequence per batch, within ``max_batch_size`` calls and ``max_batch_tokens`` positions), the prompts of
+        calls that do not fit prefilled by chunks in the room the batches leave."""
         for job in jobs:
             if isinstance(job, _VerifyJob):
                 with self._lock:
                     self._queued -= 1
                     self.metrics.waiting.set(self._queued)
-                if len(batch) == self.max_batch_size or any(j.call.sequence_id == job.call.sequence_id for j in batch):
-                    self._run_batch(batch)
+        carried, self._carried = self._carried, []
+        prefilling: list[str] = []  # sequences whose carried call waits for its prompt, in arrival order
+        batch: list[_VerifyJob] = []
+        batch_tokens = 0
+        for job in [*carried, *jobs]:
+            if isinstance(job, _VerifyJob):
+                sequence_id = job.call.sequence_id
+                if job.future.cancelled():
+                    continue
+                if sequence_id in prefilling:  # behind its sequence's carried call
+                    self._carried.append(job)
+                    continue
+                if len(batch) == self.max_batch_size or any(j.call.sequence_id == sequence_id for j in batch):
+                    self._run_batch(batch, prefilling)
                     batch, batch_tokens = [], 0
                 tokens = self.verifier.forward_tokens(job.call)
-                if batch and self.max_batch_tokens is not None and batch_tokens + tokens > self.max_batch_tokens:
-                    self._run_batch(batch)
-                    batch, batch_tokens = [], 0
-                batch.append(job)
-                batch_tokens += tokens
+                if self.max_batch_tokens is None or batch_tokens + tokens <= self.max_batch_tokens:
+                    batch.append(job)
+                    batch_tokens += tokens
+                elif self.verifier.prefillable(sequence_id):
+                    self._carry(job, prefilling)
+                else:  # nothing to chunk: the call waits for the next batch, alone if its tree exceeds the budget
+                    if batch:
+                        self._run_batch(batch, prefilling)
+                    batch, batch_tokens = [job], tokens
                 continue
             if job.sequence_id and any(j.call.sequence_id == job.sequence_id for j in batch):
-                self._run_batch(batch)
+                self._run_batch(batch, prefilling)
                 batch, batch_tokens = [], 0
             if job.future.set_running_or_notify_cancel():
                 _settle(job.future, job.run)
-        if batch:
-            self._run_batch(batch)
+            if job.sequence_id in prefilling and job.sequence_id not in self.verifier.sequence_ids():  # closed
+                self._fail_carried(job.sequence_id, prefilling, SequenceNotFoundError(job.sequence_id))
+        if batch or prefilling:
+            self._run_batch(batch, prefilling)
 
-    def _run_batch(self, batch: list[_VerifyJob]) -> None:
-        """One ``verify`` over the jobs still wanted whose calls pass their checks; the others fail alone."""
+    def _carry(self, job: _VerifyJob, prefilling: list[str]) -> None:
+        """Carry ``job`` over while its prompt is prefilled; a call that fails its checks fails now instead."""
+        try:
+            self.verifier.check(job.call)
+        except Exception as error:  # delivered to this caller; the interceptor maps it to a status
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+            return
+        prefilling.append(job.call.sequence_id)
+        self._carried.append(job)
+
+    def _fail_carried(self, sequence_id: str, prefilling: list[str], error: Exception) -> None:
+        """Deliver ``error`` to every carried call of ``sequence_id`` and stop prefilling its prompt."""
+        prefilling.remove(sequence_id)
+        kept = []
+        for job in self._carried:
+            if job.call.sequence_id != sequence_id:
+                kept.append(job)
+            elif job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+        self._carried = kept
+
+    def _run_batch(self, batch: list[_VerifyJob], prefilling: list[str]) -> None:
+        """One forward: ``verify`` over the jobs still wanted whose calls pass their checks (the others fail alone),
+        plus chunks of the prompts of ``prefilling`` (arrival order) in the room those calls leave of the budget."""
         ready = []
         for job in batch:
             if not job.future.set_running_or_notify_cancel():
@@ -259,23 +313,35 @@ class VerifyScheduler:
                 job.future.set_exception(error)
                 continue
             ready.append(job)
-        if not ready:
+        chunks = []
+        if prefilling:  # only a bounded budget carries calls
+            room = self.max_batch_tokens - sum(self.verifier.forward_tokens(job.call) for job in ready)
+            for sequence_id in prefilling:
+                size = min(room, self.verifier.prefillable(sequence_id))
+                if size > 0:
+                    chunks.append(PrefillChunk(sequence_id, size))
+                    room -= size
+        if not ready and not chunks:
             return
         started = time.perf_counter()
         try:
-            outcomes: list[VerifyOutcome] = self.verifier.verify([job.call for job in ready])
-        except Exception as error:  # delivered to every caller of the batch
+            outcomes: list[VerifyOutcome] = self.verifier.verify([job.call for job in ready], chunks)
+        except Exception as error:  # delivered to every caller of the forward, carried ones included
             if not isinstance(error, SpecdecError):
-                LOG.exception("verify failed for a batch of %d", len(ready))
+                LOG.exception("verify failed for %d calls and %d prefill chunks", len(ready), len(chunks))
             for job in ready:
                 job.future.set_exception(error)
+            for chunk in chunks:
+                self._fail_carried(chunk.sequence_id, prefilling, error)
             return
         self.metrics.forward_seconds.observe(time.perf_counter() - started)
-        self.metrics.batch_size.observe(len(ready))
-        self.metrics.verify_calls.inc(len(ready))
-        self._calls += len(ready)
-        self._batches += 1
-        self._max_batch = max(self._max_batch, len(ready))
+        self.metrics.batch_size.observe(len(ready) + len(chunks))
+        self.metrics.prefill_chunks.inc(len(chunks))
+        if ready:
+            self.metrics.verify_calls.inc(len(ready))
+            self._calls += len(ready)
+            self._batches += 1
+            self._max_batch = max(self._max_batch, len(ready))
         for job, outcome in zip(ready, outcomes, strict=True):
             job.future.set_result(outcome)
 
