@@ -1,21 +1,22 @@
 """The Drafter gRPC service, thin: proto → scheduler (which owns the core drafter) → proto.
 
 Domain errors raised below become status codes in :mod:`grpc_common.errors` (bad fields: INVALID_ARGUMENT,
-unknown sequence: NOT_FOUND, too many open sequences: RESOURCE_EXHAUSTED).
+unknown sequence: NOT_FOUND, too many open sequences: RESOURCE_EXHAUSTED). ``Batch`` carries many calls in one
+message (:mod:`grpc_common.batch`).
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import CancelledError, Future
-from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
-from drafter_service.scheduler import DraftScheduler
+from drafter_service.scheduler import DraftScheduler, SchedulerStatus
+from grpc_common.batch import Submitted, answer_batch
 from grpc_common.convert import proposal_to_wire, sampling_from_wire
-from specdec.drafters import DraftConfig
+from specdec.drafters import DraftConfig, Proposal
 
 _SIBLING_SAMPLING = {
     common_pb2.SIBLING_SAMPLING_UNSPECIFIED: None,  # the drafter's default
@@ -42,49 +43,71 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def OpenSequence(
         self, request: drafter_pb2.OpenDraftRequest, context: grpc.ServicerContext
     ) -> drafter_pb2.OpenDraftReply:
-        started = time.perf_counter_ns()
-        params = sampling_from_wire(request.sampling)
-        shape = shape_from_wire(request.shape, self.default_shape)
-        prompt = list(request.prompt_ids)
-        _wait(self.scheduler.open(request.sequence_id, prompt, params, request.seed, shape), context)
-        return drafter_pb2.OpenDraftReply(open_ns=time.perf_counter_ns() - started)
+        return self._submit_open(request).answer(context)
 
     def Propose(self, request: drafter_pb2.ProposeRequest, context: grpc.ServicerContext) -> drafter_pb2.ProposeReply:
-        future = self.scheduler.propose(request.sequence_id, request.max_tokens, request.assume_previous_accepted)
-        proposal, draft_ns = _wait(future, context)
-        message = proposal_to_wire(proposal)
-        return drafter_pb2.ProposeReply(proposal=message, draft_ns=draft_ns, wire_bytes=message.ByteSize())
+        return self._submit_propose(request).answer(context)
 
     def Commit(
         self, request: drafter_pb2.DraftCommitRequest, context: grpc.ServicerContext
     ) -> drafter_pb2.DraftCommitReply:
-        _wait(self.scheduler.commit(request.sequence_id, request.base_length, list(request.emitted)), context)
-        return drafter_pb2.DraftCommitReply()
+        return self._submit_commit(request).answer(context)
 
     def CloseSequence(
         self, request: drafter_pb2.CloseDraftRequest, context: grpc.ServicerContext
     ) -> drafter_pb2.CloseDraftReply:
-        _wait(self.scheduler.close(request.sequence_id), context)
-        return drafter_pb2.CloseDraftReply()
+        return self._submit_close(request).answer(context)
+
+    def Batch(
+        self, request: drafter_pb2.DrafterBatchRequest, context: grpc.ServicerContext
+    ) -> drafter_pb2.DrafterBatchReply:
+        results = answer_batch(request.calls, self._submit, drafter_pb2.DrafterResult, context)
+        return drafter_pb2.DrafterBatchReply(results=results)
+
+    def _submit(self, kind: str, request: Message) -> Submitted:
+        submit = {
+            "open": self._submit_open,
+            "propose": self._submit_propose,
+            "commit": self._submit_commit,
+            "close": self._submit_close,
+        }[kind]
+        return submit(request)
+
+    def _submit_open(self, request: drafter_pb2.OpenDraftRequest) -> Submitted:
+        started = time.perf_counter_ns()
+        params = sampling_from_wire(request.sampling)
+        shape = shape_from_wire(request.shape, self.default_shape)
+        future = self.scheduler.open(request.sequence_id, list(request.prompt_ids), params, request.seed, shape)
+        return Submitted(future, lambda _: drafter_pb2.OpenDraftReply(open_ns=time.perf_counter_ns() - started))
+
+    def _submit_propose(self, request: drafter_pb2.ProposeRequest) -> Submitted:
+        future = self.scheduler.propose(request.sequence_id, request.max_tokens, request.assume_previous_accepted)
+        return Submitted(future, _propose_reply)
+
+    def _submit_commit(self, request: drafter_pb2.DraftCommitRequest) -> Submitted:
+        future = self.scheduler.commit(request.sequence_id, request.base_length, list(request.emitted))
+        return Submitted(future, lambda _: drafter_pb2.DraftCommitReply())
+
+    def _submit_close(self, request: drafter_pb2.CloseDraftRequest) -> Submitted:
+        return Submitted(self.scheduler.close(request.sequence_id), lambda _: drafter_pb2.CloseDraftReply())
 
     def Status(
         self, request: drafter_pb2.DrafterStatusRequest, context: grpc.ServicerContext
     ) -> drafter_pb2.DrafterStatusReply:
-        status = _wait(self.scheduler.status(), context)
-        return drafter_pb2.DrafterStatusReply(
-            kind=self.kind,
-            open_sequences=status.open_sequences,
-            runner_sequences=status.runner_sequences,
-            proposals=status.proposals,
-            batches=status.batches,
-            max_batch=status.max_batch,
-        )
+        def reply(status: SchedulerStatus) -> drafter_pb2.DrafterStatusReply:
+            return drafter_pb2.DrafterStatusReply(
+                kind=self.kind,
+                open_sequences=status.open_sequences,
+                runner_sequences=status.runner_sequences,
+                proposals=status.proposals,
+                batches=status.batches,
+                max_batch=status.max_batch,
+            )
+
+        return Submitted(self.scheduler.status(), reply).answer(context)
 
 
-def _wait(future: Future, context: grpc.ServicerContext) -> Any:
-    """The scheduler's answer; a call that ends first (cancel, deadline) cancels the job if it has not started."""
-    context.add_callback(future.cancel)
-    try:
-        return future.result()
-    except CancelledError:
-        context.abort(grpc.StatusCode.CANCELLED, "the call ended before the drafter ran it")
+def _propose_reply(drafted: tuple[Proposal, int]) -> drafter_pb2.ProposeReply:
+    proposal, draft_ns = drafted
+    message = proposal_to_wire(proposal)
+    return drafter_pb2.ProposeReply(proposal=message, draft_ns=draft_ns, wire_bytes=message.ByteSize())

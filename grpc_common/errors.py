@@ -41,7 +41,8 @@ def status_for(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _message(error: BaseException) -> str:
+def error_message(error: BaseException) -> str:
+    """The status details for ``error`` (a KeyError's message without repr quotes)."""
     return str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
 
 
@@ -52,7 +53,7 @@ def _abort(context: grpc.ServicerContext, error: Exception) -> None:
     code = status_for(error)
     if code == grpc.StatusCode.INTERNAL:
         LOG.exception("internal error")
-    context.abort(code, _message(error))
+    context.abort(code, error_message(error))
 
 
 def _wrap_unary(behavior: Callable) -> Callable:
@@ -96,7 +97,7 @@ async def _abort_async(context: grpc.aio.ServicerContext, error: Exception) -> N
     code = status_for(error)
     if code == grpc.StatusCode.INTERNAL:
         LOG.exception("internal error")
-    await context.abort(code, _message(error))
+    await context.abort(code, error_message(error))
 
 
 def _wrap_unary_async(behavior: Callable[..., Awaitable]) -> Callable[..., Awaitable]:

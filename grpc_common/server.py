@@ -21,6 +21,7 @@ from grpc_common.errors import AsyncDomainErrorInterceptor, DomainErrorIntercept
 from grpc_common.metrics import MetricsServer, start_metrics_server
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_UNACCEPTED_S = 300
 MAX_PENDING_CALLS = 100_000
 
 
@@ -201,6 +202,10 @@ async def start_aio_server(
             # streams must reach the router's own admission control (RESOURCE_EXHAUSTED with a retry hint)
             ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+            # grpc.aio takes one new call per turn of the event loop; a loop saturated by hundreds of streams
+            # turns a few dozen times a second, so a burst waits in core longer than core's default 30 s (after
+            # which it CANCELs the call unseen) before admission control can queue or refuse it
+            ("grpc.server_max_unrequested_time_in_server", MAX_UNACCEPTED_S),
         ],
     )
     register(server)

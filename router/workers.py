@@ -1,6 +1,7 @@
 """Drafters and verifiers over gRPC (``grpc.aio``), and the pool that places requests on them.
 
-Each worker has one channel. Every call carries the role's deadline; a failed call raises one of the
+Each worker has one channel; the calls of every session go in one ``Batch`` RPC per worker per loop tick
+(:mod:`router.batching`). Every call carries the role's deadline; a failed call raises one of the
 :mod:`router.errors` types, classified here from its status code, and nothing else about gRPC leaves this
 module. The pool chooses the healthy worker with the least outstanding sequences (ties: the one chosen least
 often), learns each drafter's kind from its ``Status`` and checks ``grpc.health.v1`` every
@@ -13,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +22,7 @@ from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_
 
 from grpc_common.convert import sampling_to_wire, tree_from_wire
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
+from router.batching import CallBatcher
 from router.config import RouterConfig
 from router.errors import WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
 from router.pipeline import Drafted, DrafterClient, SequenceSpec, Verified, VerifierClient
@@ -35,14 +37,21 @@ _REJECTED = {
 }
 
 
-def worker_error(address: str, error: grpc.aio.AioRpcError) -> WorkerError:
+_CODE_OF_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def worker_error(address: str, code: grpc.StatusCode, details: str) -> WorkerError:
     """The :mod:`router.errors` type for a failed call: refused arguments, busy, or unavailable (all else)."""
-    code = error.code()
     if code in _REJECTED:
-        return WorkerRejectedError(address, code.name, error.details() or "")
+        return WorkerRejectedError(address, code.name, details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return WorkerBusyError(address, code.name, error.details() or "")
-    return WorkerUnavailableError(address, code.name, error.details() or "")
+        return WorkerBusyError(address, code.name, details)
+    return WorkerUnavailableError(address, code.name, details)
+
+
+def call_failure(address: str, error: common_pb2.CallError) -> WorkerError:
+    """The :mod:`router.errors` type for one failed call of a ``Batch``."""
+    return worker_error(address, _CODE_OF_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
 
 
 @dataclass
@@ -63,7 +72,7 @@ class Worker:
         try:
             return await method(request, timeout=deadline_s or self.deadline_s)
         except grpc.aio.AioRpcError as error:
-            raise worker_error(self.address, error) from None
+            raise worker_error(self.address, error.code(), error.details() or "") from None
 
 
 class WorkerClient:
@@ -78,11 +87,24 @@ C = TypeVar("C", bound=WorkerClient)
 
 
 class GrpcDrafter(WorkerClient):
-    """:class:`~router.pipeline.DrafterClient` over the ``specdec.v1.Drafter`` service."""
+    """:class:`~router.pipeline.DrafterClient` over the ``specdec.v1.Drafter`` service; calls go in Batch RPCs."""
 
     def __init__(self, worker: Worker) -> None:
         super().__init__(worker)
         self._stub = drafter_pb2_grpc.DrafterStub(worker.channel)
+        self.batcher: CallBatcher[drafter_pb2.DrafterCall, drafter_pb2.DrafterResult] = CallBatcher(
+            worker.address, self._send
+        )
+
+    async def _send(self, calls: list[drafter_pb2.DrafterCall]) -> Sequence[drafter_pb2.DrafterResult]:
+        reply = await self.worker.call(self._stub.Batch, drafter_pb2.DrafterBatchRequest(calls=calls))
+        return reply.results
+
+    async def _call(self, kind: str, call: drafter_pb2.DrafterCall) -> Any:
+        result = await self.batcher.submit(call)
+        if result.WhichOneof("result") == "error":
+            raise call_failure(self.address, result.error)
+        return getattr(result, kind)
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         shape = drafter_pb2.DraftShape(
@@ -97,13 +119,13 @@ class GrpcDrafter(WorkerClient):
             seed=seed,
             shape=shape,
         )
-        await self.worker.call(self._stub.OpenSequence, request)
+        await self._call("open", drafter_pb2.DrafterCall(open=request))
 
     async def propose(self, sequence_id: str, max_tokens: int, *, assume_previous_accepted: bool) -> Drafted:
         request = drafter_pb2.ProposeRequest(
             sequence_id=sequence_id, max_tokens=max_tokens, assume_previous_accepted=assume_previous_accepted
         )
-        reply = await self.worker.call(self._stub.Propose, request)
+        reply = await self._call("propose", drafter_pb2.DrafterCall(propose=request))
         try:
             tree = tree_from_wire(reply.proposal.tree)
         except ValueError as error:
@@ -113,18 +135,32 @@ class GrpcDrafter(WorkerClient):
 
     async def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None:
         request = drafter_pb2.DraftCommitRequest(sequence_id=sequence_id, base_length=base_length, emitted=emitted)
-        await self.worker.call(self._stub.Commit, request)
+        await self._call("commit", drafter_pb2.DrafterCall(commit=request))
 
     async def close(self, sequence_id: str) -> None:
-        await self.worker.call(self._stub.CloseSequence, drafter_pb2.CloseDraftRequest(sequence_id=sequence_id))
+        request = drafter_pb2.CloseDraftRequest(sequence_id=sequence_id)
+        await self._call("close", drafter_pb2.DrafterCall(close=request))
 
 
 class GrpcVerifier(WorkerClient):
-    """:class:`~router.pipeline.VerifierClient` over the ``specdec.v1.Verifier`` service."""
+    """:class:`~router.pipeline.VerifierClient` over the ``specdec.v1.Verifier`` service; calls go in Batch RPCs."""
 
     def __init__(self, worker: Worker) -> None:
         super().__init__(worker)
         self._stub = verifier_pb2_grpc.VerifierStub(worker.channel)
+        self.batcher: CallBatcher[verifier_pb2.VerifierCall, verifier_pb2.VerifierResult] = CallBatcher(
+            worker.address, self._send
+        )
+
+    async def _send(self, calls: list[verifier_pb2.VerifierCall]) -> Sequence[verifier_pb2.VerifierResult]:
+        reply = await self.worker.call(self._stub.Batch, verifier_pb2.VerifierBatchRequest(calls=calls))
+        return reply.results
+
+    async def _call(self, kind: str, call: verifier_pb2.VerifierCall) -> Any:
+        result = await self.batcher.submit(call)
+        if result.WhichOneof("result") == "error":
+            raise call_failure(self.address, result.error)
+        return getattr(result, kind)
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         request = verifier_pb2.OpenVerifyRequest(
@@ -136,13 +172,13 @@ class GrpcVerifier(WorkerClient):
             ignore_eos=spec.ignore_eos,
             logprobs=spec.logprobs,
         )
-        await self.worker.call(self._stub.OpenSequence, request)
+        await self._call("open", verifier_pb2.VerifierCall(open=request))
 
     async def verify(self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool) -> Verified:
         proposal = drafted.payload if drafted is not None else common_pb2.Proposal()
         assert isinstance(proposal, common_pb2.Proposal)
         request = verifier_pb2.VerifyRequest(sequence_id=sequence_id, proposal=proposal, defer_bonus=defer_bonus)
-        reply = await self.worker.call(self._stub.Verify, request)
+        reply = await self._call("verify", verifier_pb2.VerifierCall(verify=request))
         verdict = reply.verdict
         return Verified(
             accepted_path=tuple(verdict.accepted_path),
@@ -156,7 +192,8 @@ class GrpcVerifier(WorkerClient):
         )
 
     async def close(self, sequence_id: str) -> None:
-        await self.worker.call(self._stub.CloseSequence, verifier_pb2.CloseVerifyRequest(sequence_id=sequence_id))
+        request = verifier_pb2.CloseVerifyRequest(sequence_id=sequence_id)
+        await self._call("close", verifier_pb2.VerifierCall(close=request))
 
 
 class WorkerPool:

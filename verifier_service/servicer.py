@@ -3,21 +3,22 @@
 Domain errors raised below become status codes in :mod:`grpc_common.errors` (bad fields: INVALID_ARGUMENT,
 unknown sequence: NOT_FOUND, too many sequences or queued calls: RESOURCE_EXHAUSTED). Only the waiting is
 gRPC-specific: a call that ends (deadline, cancel) before its job ran drops the job, and a stopping scheduler
-answers UNAVAILABLE.
+answers UNAVAILABLE. ``Batch`` carries many calls in one message (:mod:`grpc_common.batch`).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import CancelledError, Future
-from typing import Any
-
 import grpc
+from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
+from grpc_common.batch import Submitted, answer_batch
 from grpc_common.convert import proposal_from_wire, sampling_from_wire
 from specdec.errors import InvalidArgumentError
 from specdec.verification import VerifyCall, VerifyOutcome
-from verifier_service.scheduler import SchedulerStoppedError, VerifyScheduler
+from verifier_service.scheduler import SchedulerStatus, SchedulerStoppedError, VerifyScheduler
+
+_UNAVAILABLE = (SchedulerStoppedError,)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -34,6 +35,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def OpenSequence(
         self, request: verifier_pb2.OpenVerifyRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.OpenVerifyReply:
+        return self._submit_open(request).answer(context, _UNAVAILABLE)
+
+    def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyReply:
+        return self._submit_verify(request).answer(context, _UNAVAILABLE)
+
+    def CloseSequence(
+        self, request: verifier_pb2.CloseVerifyRequest, context: grpc.ServicerContext
+    ) -> verifier_pb2.CloseVerifyReply:
+        return self._submit_close(request).answer(context, _UNAVAILABLE)
+
+    def Batch(
+        self, request: verifier_pb2.VerifierBatchRequest, context: grpc.ServicerContext
+    ) -> verifier_pb2.VerifierBatchReply:
+        results = answer_batch(request.calls, self._submit, verifier_pb2.VerifierResult, context, _UNAVAILABLE)
+        return verifier_pb2.VerifierBatchReply(results=results)
+
+    def _submit(self, kind: str, request: Message) -> Submitted:
+        submit = {"open": self._submit_open, "verify": self._submit_verify, "close": self._submit_close}[kind]
+        return submit(request)
+
+    def _submit_open(self, request: verifier_pb2.OpenVerifyRequest) -> Submitted:
         future = self.scheduler.open(
             request.sequence_id,
             list(request.prompt_ids),
@@ -44,39 +66,41 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request.ignore_eos,
             request.logprobs,
         )
-        _wait(future, context)
-        return verifier_pb2.OpenVerifyReply()
+        return Submitted(future, lambda _: verifier_pb2.OpenVerifyReply())
 
-    def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyReply:
+    def _submit_verify(self, request: verifier_pb2.VerifyRequest) -> Submitted:
         self.scheduler.metrics.received_bytes.inc(request.ByteSize())  # only here is the request still on the wire
         try:
             proposal = proposal_from_wire(request.proposal, self.scheduler.verifier.runner.vocab_size)
         except ValueError as error:  # malformed tree or draft rows: name the field
             raise InvalidArgumentError("proposal", str(error)) from error
-        outcome = _wait(self.scheduler.verify(VerifyCall(request.sequence_id, proposal, request.defer_bonus)), context)
-        return verifier_pb2.VerifyReply(
-            verdict=verdict_to_wire(outcome),
-            verify_ns=round(outcome.verify_s * 1e9),
-            state_ns=round(outcome.commit_s * 1e9),
-            batch_size=outcome.batch_size,
-        )
+        future = self.scheduler.verify(VerifyCall(request.sequence_id, proposal, request.defer_bonus))
+        return Submitted(future, _verify_reply)
 
-    def CloseSequence(
-        self, request: verifier_pb2.CloseVerifyRequest, context: grpc.ServicerContext
-    ) -> verifier_pb2.CloseVerifyReply:
-        _wait(self.scheduler.close(request.sequence_id), context)
-        return verifier_pb2.CloseVerifyReply()
+    def _submit_close(self, request: verifier_pb2.CloseVerifyRequest) -> Submitted:
+        return Submitted(self.scheduler.close(request.sequence_id), lambda _: verifier_pb2.CloseVerifyReply())
 
     def Status(
         self, request: verifier_pb2.VerifierStatusRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.VerifierStatusReply:
-        status = _wait(self.scheduler.status(), context)
-        return verifier_pb2.VerifierStatusReply(
-            model=self.model_name,
-            open_sequences=status.open_sequences,
-            runner_sequences=status.runner_sequences,
-            world_size=self.world_size,
-        )
+        def reply(status: SchedulerStatus) -> verifier_pb2.VerifierStatusReply:
+            return verifier_pb2.VerifierStatusReply(
+                model=self.model_name,
+                open_sequences=status.open_sequences,
+                runner_sequences=status.runner_sequences,
+                world_size=self.world_size,
+            )
+
+        return Submitted(self.scheduler.status(), reply).answer(context, _UNAVAILABLE)
+
+
+def _verify_reply(outcome: VerifyOutcome) -> verifier_pb2.VerifyReply:
+    return verifier_pb2.VerifyReply(
+        verdict=verdict_to_wire(outcome),
+        verify_ns=round(outcome.verify_s * 1e9),
+        state_ns=round(outcome.commit_s * 1e9),
+        batch_size=outcome.batch_size,
+    )
 
 
 def verdict_to_wire(outcome: VerifyOutcome) -> common_pb2.Verdict:
@@ -89,14 +113,3 @@ def verdict_to_wire(outcome: VerifyOutcome) -> common_pb2.Verdict:
         bonus_deferred=outcome.bonus_deferred,
         logprobs=outcome.logprobs or [],
     )
-
-
-def _wait(future: Future, context: grpc.ServicerContext) -> Any:
-    """The scheduler's answer; a call that ends first (cancel, deadline) cancels the job if it has not started."""
-    context.add_callback(future.cancel)
-    try:
-        return future.result()
-    except CancelledError:
-        context.abort(grpc.StatusCode.CANCELLED, "the call ended before the verifier ran it")
-    except SchedulerStoppedError as error:
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(error))

@@ -13,7 +13,7 @@ import functools
 import json
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -24,11 +24,32 @@ from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_
 from bench.load.simulated.config import WorkerConfig
 from bench.load.simulated.drafter import SimDrafter
 from bench.load.simulated.verifier import SimVerifier
-from grpc_common.errors import status_for
+from grpc_common.batch import call_error
+from grpc_common.errors import error_message, status_for
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES, MAX_PENDING_CALLS
 
 LOG = logging.getLogger("bench.load.simulated")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+async def _answer_batch(
+    calls: Sequence[Any], servicer: Any, handlers: dict[str, str], result_type: Callable[..., Any]
+) -> list[Any]:
+    """One ``result_type`` per call of a ``Batch``, as :func:`grpc_common.batch.answer_batch` answers on the real
+    services: each call runs as its unary handler ``handlers[kind]`` would, failing alone; the calls start in order
+    (so one sequence's calls reach the core in order) and run concurrently."""
+
+    async def run(call: Any) -> Any:
+        kind = call.WhichOneof("call")
+        if kind is None:
+            return result_type(error=call_error(grpc.StatusCode.INVALID_ARGUMENT, "call: no call set"))
+        try:
+            reply = await getattr(servicer, handlers[kind]).__wrapped__(servicer, getattr(call, kind), None)
+        except Exception as error:
+            return result_type(error=call_error(status_for(error), error_message(error)))
+        return result_type(**{kind: reply})
+
+    return list(await asyncio.gather(*(run(call) for call in calls)))
 
 
 def _mapped(handler: Handler) -> Handler:
@@ -43,8 +64,7 @@ def _mapped(handler: Handler) -> Handler:
             code = status_for(error)
             if code == grpc.StatusCode.INTERNAL:
                 LOG.exception("internal error")
-            details = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-            await context.abort(code, str(details))
+            await context.abort(code, error_message(error))
 
     return wrapper
 
@@ -84,6 +104,13 @@ class SimVerifierServicer(verifier_pb2_grpc.VerifierServicer):
     ) -> verifier_pb2.CloseVerifyReply:
         self.verifier.close(request.sequence_id)
         return verifier_pb2.CloseVerifyReply()
+
+    async def Batch(
+        self, request: verifier_pb2.VerifierBatchRequest, context: grpc.aio.ServicerContext
+    ) -> verifier_pb2.VerifierBatchReply:
+        handlers = {"open": "OpenSequence", "verify": "Verify", "close": "CloseSequence"}
+        results = await _answer_batch(request.calls, self, handlers, verifier_pb2.VerifierResult)
+        return verifier_pb2.VerifierBatchReply(results=results)
 
     @_mapped
     async def Status(
@@ -129,6 +156,13 @@ class SimDrafterServicer(drafter_pb2_grpc.DrafterServicer):
     ) -> drafter_pb2.CloseDraftReply:
         self.drafter.close(request.sequence_id)
         return drafter_pb2.CloseDraftReply()
+
+    async def Batch(
+        self, request: drafter_pb2.DrafterBatchRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.DrafterBatchReply:
+        handlers = {"open": "OpenSequence", "propose": "Propose", "commit": "Commit", "close": "CloseSequence"}
+        results = await _answer_batch(request.calls, self, handlers, drafter_pb2.DrafterResult)
+        return drafter_pb2.DrafterBatchReply(results=results)
 
     @_mapped
     async def Status(

@@ -1,0 +1,82 @@
+"""One ``Batch`` RPC per worker per tick of the router's event loop, instead of one RPC per call.
+
+Every session's round makes its calls (Propose, Verify, Commit, ...) as its own coroutine. Sent one by one, each
+``grpc.aio`` unary call costs the router ~100 µs of Python, which at a few hundred streams is most of its CPU and
+caps it near a thousand rounds a second. A :class:`CallBatcher` queues the calls made to one worker and, once
+the loop has run every callback ready in this tick (``call_soon``), sends them as one ``Batch``; each caller gets
+its own result back. A session's calls to one worker keep their order: a later call is queued after, and a
+batch lists its calls in queue order, which the worker keeps per sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+from router.errors import WorkerError, WorkerUnavailableError
+
+CallT = TypeVar("CallT")
+ResultT = TypeVar("ResultT")
+
+MAX_CALLS_PER_BATCH = 512  # bounds one message (a proposal with q rows is ~100 B - 2 kB)
+
+Send = Callable[[list[CallT]], Awaitable[Sequence[ResultT]]]
+
+
+class CallBatcher(Generic[CallT, ResultT]):
+    """Gathers the calls to one worker made in one loop tick into ``send`` calls of at most ``max_calls`` each.
+
+    ``send(calls)`` makes the RPC and returns one result per call, in order, or raises a WorkerError that then
+    fails every call of that batch. Create and use on the event loop that runs the sessions.
+    """
+
+    def __init__(self, address: str, send: Send[CallT, ResultT], max_calls: int = MAX_CALLS_PER_BATCH) -> None:
+        self.address = address
+        self._send = send
+        self.max_calls = max_calls
+        self._queued: list[tuple[CallT, asyncio.Future[ResultT]]] = []
+        self._flush_scheduled = False
+        self._sending: set[asyncio.Task[Any]] = set()
+        self.batches = 0  # Batch RPCs sent
+        self.calls = 0  # calls they carried
+
+    def submit(self, call: CallT) -> asyncio.Future[ResultT]:
+        """Queue ``call`` for this tick's batch; the Future resolves to its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[ResultT] = loop.create_future()
+        self._queued.append((call, future))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        queued, self._queued = self._queued, []
+        for start in range(0, len(queued), self.max_calls):
+            task = asyncio.ensure_future(self._send_batch(queued[start : start + self.max_calls]))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send_batch(self, batch: list[tuple[CallT, asyncio.Future[ResultT]]]) -> None:
+        self.batches += 1
+        self.calls += len(batch)
+        try:
+            results = await self._send([call for call, _ in batch])
+            if len(results) != len(batch):
+                raise WorkerUnavailableError(
+                    self.address, "INTERNAL", f"a batch of {len(batch)} calls got {len(results)} results"
+                )
+        except WorkerError as error:
+            for _, future in batch:
+                if not future.done():  # a caller that has gone cancelled its Future
+                    future.set_exception(error)
+            return
+        except BaseException:  # cancelled (the router is closing): nobody may wait forever
+            for _, future in batch:
+                future.cancel()
+            raise
+        for (_, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result(result)

@@ -1,0 +1,147 @@
+"""The workers' ``Batch`` RPC and the router's side of it (:mod:`router.batching`), and stream chunk merging.
+
+A Batch must mean exactly what its calls would mean as unary RPCs in the same order: the same replies, each
+failure confined to its own call with the status its RPC would have had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+from drafter_service.server import start_drafter
+from grpc_common.convert import proposal_to_wire, tree_from_wire
+from router.batching import CallBatcher
+from router.errors import WorkerBusyError, WorkerError, WorkerUnavailableError
+from router.pipeline import Chunk
+from router.servicer import merge_chunks
+from router.workers import call_failure
+from specdec.drafters.base import Proposal
+from specdec.sampling import SamplingParams
+from specdec.tree import TokenTree
+from tests.test_drafter_service import config_for
+from tests.test_drafter_service import open_request as open_draft_request
+from tests.test_verifier_service import TIMEOUT_S, VOCAB, hf_greedy, open_request
+from tests.tiny_models import tiny_draft, tiny_llama
+from verifier_service.config import VerifierConfig
+from verifier_service.server import start_verifier
+
+PROMPT = [1, 2, 3, 4]
+
+
+def verify_call(sequence_id: str, tokens: list[int] = ()) -> verifier_pb2.VerifierCall:
+    proposal = proposal_to_wire(Proposal(TokenTree.chain(list(tokens)), None))
+    return verifier_pb2.VerifierCall(verify=verifier_pb2.VerifyRequest(sequence_id=sequence_id, proposal=proposal))
+
+
+def test_verifier_batch_answers_each_call_as_its_own_rpc_would() -> None:
+    target = tiny_llama(seed=21, vocab_size=VOCAB, num_layers=2)
+    truth = hf_greedy(target, PROMPT, 3)
+    running = start_verifier(VerifierConfig(max_batch_size=16, max_sequences=8, max_seq_len=64), model=target)
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            calls = [
+                verifier_pb2.VerifierCall(open=open_request("a", PROMPT)),
+                verifier_pb2.VerifierCall(open=open_request("b", PROMPT)),
+                verify_call("a"),
+                verify_call("nobody"),
+                verify_call("b", truth[:2]),  # both draft tokens right: 3 tokens in one round
+                verify_call("a"),  # after a's first round, in order
+                verifier_pb2.VerifierCall(close=verifier_pb2.CloseVerifyRequest(sequence_id="a")),
+                verifier_pb2.VerifierCall(open=open_request("a", PROMPT)),  # reopened after its close
+                verifier_pb2.VerifierCall(),
+            ]
+            reply = stub.Batch(verifier_pb2.VerifierBatchRequest(calls=calls), timeout=TIMEOUT_S)
+            kinds = [result.WhichOneof("result") for result in reply.results]
+            assert kinds == ["open", "open", "verify", "error", "verify", "verify", "close", "open", "error"]
+            results = reply.results
+            assert list(results[2].verify.verdict.emitted) == truth[:1]
+            assert list(results[5].verify.verdict.emitted) == truth[1:2]
+            assert list(results[4].verify.verdict.emitted) == truth
+            assert results[3].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+            assert "nobody" in results[3].error.message
+            assert results[8].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert running.scheduler.status().result(TIMEOUT_S).open_sequences == 2  # a (reopened) and b
+    finally:
+        running.stop(grace_s=0)
+
+
+def test_drafter_batch_keeps_a_sequences_calls_in_order() -> None:
+    target = tiny_llama(seed=51, vocab_size=VOCAB, num_layers=2)
+    draft = tiny_draft(target, seed=52, num_layers=1, noise=0.2)
+    running = start_drafter(config_for("model"), target=target, draft=draft)
+    sampled = SamplingParams(temperature=0.8)
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            stub = drafter_pb2_grpc.DrafterStub(channel)
+
+            def batch(*calls: drafter_pb2.DrafterCall) -> list[drafter_pb2.DrafterResult]:
+                request = drafter_pb2.DrafterBatchRequest(calls=calls)
+                return list(stub.Batch(request, timeout=TIMEOUT_S).results)
+
+            propose = drafter_pb2.DrafterCall(propose=drafter_pb2.ProposeRequest(sequence_id="s", max_tokens=3))
+            opened, first = batch(drafter_pb2.DrafterCall(open=open_draft_request("s", PROMPT, sampled)), propose)
+            assert opened.WhichOneof("result") == "open" and first.WhichOneof("result") == "propose"
+            drafted = list(tree_from_wire(first.propose.proposal.tree).tokens)
+            commit = drafter_pb2.DraftCommitRequest(sequence_id="s", base_length=len(PROMPT), emitted=drafted[:1])
+            close = drafter_pb2.CloseDraftRequest(sequence_id="s")
+            results = batch(
+                drafter_pb2.DrafterCall(commit=commit),
+                propose,
+                drafter_pb2.DrafterCall(close=close),
+                propose,  # after the close: NOT_FOUND, alone
+            )
+            assert [result.WhichOneof("result") for result in results] == ["commit", "propose", "close", "error"]
+            assert results[1].propose.proposal.ByteSize() > 0
+            assert results[3].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    finally:
+        running.stop(grace_s=0)
+
+
+def test_call_batcher_sends_one_batch_per_tick_and_fails_calls_alone() -> None:
+    sent: list[list[str]] = []
+
+    async def send(calls: list[str]) -> list[str]:
+        sent.append(calls)
+        if "down" in calls:
+            raise WorkerUnavailableError("w", "UNAVAILABLE", "gone")
+        return [call.upper() for call in calls]
+
+    async def run() -> None:
+        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=3)
+        results = await asyncio.gather(*(batcher.submit(call) for call in "abcd"))
+        assert results == ["A", "B", "C", "D"]
+        assert sent == [["a", "b", "c"], ["d"]]  # one tick, split at max_calls
+        assert await batcher.submit("e") == "E"  # a later tick: its own batch
+        assert sent[-1] == ["e"]
+        down = await asyncio.gather(batcher.submit("down"), batcher.submit("f"), return_exceptions=True)
+        assert all(isinstance(result, WorkerUnavailableError) for result in down)
+        assert (batcher.batches, batcher.calls) == (4, 7)
+
+    asyncio.run(run())
+
+
+def test_a_calls_error_maps_to_the_router_error_of_its_status() -> None:
+    def failure(code: grpc.StatusCode) -> WorkerError:
+        return call_failure("w", drafter_pb2.DrafterResult(error={"code": code.value[0], "message": "m"}).error)
+
+    assert isinstance(failure(grpc.StatusCode.RESOURCE_EXHAUSTED), WorkerBusyError)
+    assert isinstance(failure(grpc.StatusCode.INVALID_ARGUMENT), ValueError)
+    assert isinstance(failure(grpc.StatusCode.NOT_FOUND), WorkerUnavailableError)
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_merged_chunks_carry_the_same_tokens_text_and_logprobs(logprobs: bool) -> None:
+    chunks = [
+        Chunk((1, 2), "ab", (-0.1, -0.2) if logprobs else ()),
+        Chunk((3,), "", (-0.3,) if logprobs else ()),
+        Chunk((4,), "cd", (-0.4,) if logprobs else ()),
+    ]
+    merged = merge_chunks(chunks)
+    assert merged.token_ids == (1, 2, 3, 4) and merged.text == "abcd"
+    assert merged.logprobs == ((-0.1, -0.2, -0.3, -0.4) if logprobs else ())
+    assert merge_chunks(chunks[:1]) is chunks[0]
