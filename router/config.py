@@ -30,6 +30,8 @@ class RouterConfig:
     takes token ids only. ``drafters`` and ``verifiers`` are worker addresses (``host:port``). Deadlines bound
     every call to a worker: a drafter past ``drafter_deadline_s`` is abandoned for the request (target-only from
     then on), a verifier past ``verifier_deadline_s`` fails the request with UNAVAILABLE or re-places it.
+    At most ``max_concurrent_requests`` run at once and ``max_waiting_requests`` more wait for a slot in arrival
+    order; beyond both a request is refused (RESOURCE_EXHAUSTED / HTTP 429).
     """
 
     model: str
@@ -44,6 +46,7 @@ class RouterConfig:
     max_draft_tokens: int = 32
     pipelining: bool = True
     max_concurrent_requests: int = 64
+    max_waiting_requests: int = 0
     retry_after_s: float = 1.0
     drafter_deadline_s: float = 5.0
     verifier_deadline_s: float = 30.0
@@ -75,6 +78,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgumentError(name, f"must be a positive number of seconds, got {value}")
+        if self.max_waiting_requests < 0:
+            raise InvalidArgumentError("max_waiting_requests", f"must be >= 0, got {self.max_waiting_requests}")
         if self.shutdown_grace_s < 0:
             raise InvalidArgumentError("shutdown_grace_s", f"must be >= 0, got {self.shutdown_grace_s}")
         if self.max_model_len < 0:
@@ -108,6 +113,7 @@ class RouterConfig:
             max_draft_tokens=args.max_draft_tokens,
             pipelining=args.pipelining,
             max_concurrent_requests=args.max_concurrent_requests,
+            max_waiting_requests=args.max_waiting_requests,
             retry_after_s=args.retry_after_s,
             drafter_deadline_s=args.drafter_deadline_s,
             verifier_deadline_s=args.verifier_deadline_s,
@@ -164,7 +170,15 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument(
         "--pipelining", action=argparse.BooleanOptionalAction, default=_bool(env("pipelining")), help="default mode"
     )
-    parser.add_argument("--max-concurrent-requests", type=int, default=env("max_concurrent_requests"))
+    parser.add_argument(
+        "--max-concurrent-requests", type=int, default=env("max_concurrent_requests"), help="requests run at once"
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=env("max_waiting_requests"),
+        help="requests queued (FIFO) for a free slot beyond those; past both: RESOURCE_EXHAUSTED (default 0)",
+    )
     parser.add_argument("--retry-after-s", type=float, default=env("retry_after_s"))
     parser.add_argument("--drafter-deadline-s", type=float, default=env("drafter_deadline_s"))
     parser.add_argument("--verifier-deadline-s", type=float, default=env("verifier_deadline_s"))

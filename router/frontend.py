@@ -1,9 +1,10 @@
 """What the gRPC and HTTP front doors share: validation, admission control, running a request, status.
 
 Both doors decode their wire format into a :class:`~router.requests.GenerateInput`, call :meth:`Frontend.plan`
-(any thread: it tokenizes) and then :meth:`Frontend.generate` on the router's event loop. Admission is a plain
-counter on that loop: a request past ``max_concurrent_requests`` is refused at once with
-:class:`~router.errors.OverloadedError` (RESOURCE_EXHAUSTED / HTTP 429 with a retry hint), never queued.
+(any thread: it tokenizes) and then :meth:`Frontend.generate` on the router's event loop. Admission runs on that
+loop: at most ``max_concurrent_requests`` run; up to ``max_waiting_requests`` more wait in a FIFO queue and are
+handed a slot as one frees (the wait counts in their TTFT, as in vLLM); anything beyond is refused at once with
+:class:`~router.errors.OverloadedError` (RESOURCE_EXHAUSTED / HTTP 429 with a retry hint), so queueing stays bounded.
 The frontend owns the router's :class:`~router.metrics.RouterMetrics`: it times requests, counts their outcomes
 and has every session report its rounds there.
 """
@@ -11,6 +12,7 @@ and has every session report its rounds there.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import uuid
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ class Frontend:
         self.pool = pool
         self.metrics = RouterMetrics(config.model)
         self.running = 0
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()  # each resolves with a slot
         self.draining = False
         self.background: set[asyncio.Task[Any]] = set()  # sessions' unawaited cleanup, kept alive here
 
@@ -80,13 +83,48 @@ class Frontend:
         timer.finished(final)
         return final
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
+    async def _admit(self) -> None:
+        """Take a running slot: at once if one is free and nobody waits, else in arrival order; refuse when the
+        queue is full too."""
+        if self.running < self.config.max_concurrent_requests and not self._waiting:
+            self.running += 1
+            self.metrics.requests_running.set(self.running)
+            return
+        if len(self._waiting) >= self.config.max_waiting_requests:
+            raise OverloadedError(self.running, self.config.retry_after_s)
+        slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(slot)
+        self.metrics.requests_waiting.set(len(self._waiting))
+        try:
+            await slot
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled():  # handed a slot just as the client left: pass it on
+                self._release()
+            else:
+                self._waiting.remove(slot)
+                self.metrics.requests_waiting.set(len(self._waiting))
+            raise
+
+    def _release(self) -> None:
+        """Hand the slot to the first request still waiting, else free it."""
+        while self._waiting:
+            slot = self._waiting.popleft()
+            self.metrics.requests_waiting.set(len(self._waiting))
+            if not slot.done():
+                slot.set_result(None)
+                return
+        self.running -= 1
+        self.metrics.requests_running.set(self.running)
+
     async def _admit_and_run(self, plan: Plan, emit: Emit) -> Final:
         if self.draining:
             raise WorkerUnavailableError("router", "UNAVAILABLE", "the router is shutting down")
-        if self.running >= self.config.max_concurrent_requests:
-            raise OverloadedError(self.running, self.config.retry_after_s)
-        self.running += 1
-        self.metrics.requests_running.set(self.running)
+        await self._admit()
         try:
             text = TextStream(self.tokenizer, plan.prompt_ids, plan.stop) if self.tokenizer is not None else None
             session = Session(
@@ -100,8 +138,7 @@ class Frontend:
             )
             return await session.run()
         finally:
-            self.running -= 1
-            self.metrics.requests_running.set(self.running)
+            self._release()
 
     def ready(self) -> bool:
         """Serving: not shutting down and at least one verifier healthy."""

@@ -89,7 +89,7 @@ class RouterMetrics:
         ).labels(model_name)
         self.requests_running = gauge("vllm:num_requests_running", "Requests generating.").labels(model_name)
         self.requests_waiting = gauge(
-            "vllm:num_requests_waiting", "Requests queued (always 0: the router refuses instead of queueing)."
+            "vllm:num_requests_waiting", "Requests queued for a running slot (at most max_waiting_requests)."
         ).labels(model_name)
         request_success = counter(
             "vllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"]

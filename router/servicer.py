@@ -32,7 +32,6 @@ _MODES = {
     router_pb2.SPECULATION_MODE_SEQUENTIAL: "sequential",
     router_pb2.SPECULATION_MODE_PIPELINED: "pipelined",
 }
-_DONE = object()
 
 
 def input_from_wire(request: router_pb2.GenerateRequest) -> GenerateInput:
@@ -57,6 +56,17 @@ def input_from_wire(request: router_pb2.GenerateRequest) -> GenerateInput:
         tree_width=request.tree_width,
         tree_budget=request.tree_budget,
         logprobs=request.logprobs,
+    )
+
+
+def merge_chunks(chunks: list[Chunk]) -> Chunk:
+    """Consecutive chunks as one (the same tokens, text and log-probabilities, in order)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return Chunk(
+        tuple(token for chunk in chunks for token in chunk.token_ids),
+        "".join(chunk.text for chunk in chunks),
+        tuple(logprob for chunk in chunks for logprob in chunk.logprobs),
     )
 
 
@@ -103,17 +113,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         await self._authorize(context)
         plan = await asyncio.to_thread(self.frontend.plan, input_from_wire(request))  # tokenizing: off the loop
-        chunks: asyncio.Queue[object] = asyncio.Queue()
+        queued: list[Chunk] = []  # emitted, not yet sent
+        arrived = asyncio.Event()
 
         async def emit(chunk: Chunk) -> None:
-            chunks.put_nowait(chunk)
+            queued.append(chunk)
+            arrived.set()
 
         task = asyncio.ensure_future(self.frontend.generate(plan, emit))
-        task.add_done_callback(lambda _: chunks.put_nowait(_DONE))
+        task.add_done_callback(lambda _: arrived.set())
         try:
-            while (event := await chunks.get()) is not _DONE:
-                assert isinstance(event, Chunk)
-                yield chunk_to_wire(event)
+            while not task.done() or queued:
+                await arrived.wait()
+                arrived.clear()
+                if queued:  # a stream that fell behind (slow reader, busy loop) catches up in one message
+                    pending = queued.copy()
+                    queued.clear()
+                    yield chunk_to_wire(merge_chunks(pending))
         finally:
             task.cancel()  # the RPC ended early (or normally: then this does nothing)
         try:

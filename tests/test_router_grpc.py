@@ -12,6 +12,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 
 import grpc
@@ -28,6 +29,7 @@ from specdec_wire.v1 import (
 )
 from transformers import PreTrainedTokenizerBase
 
+from grpc_common.batch import Submit, Submitted, answer_batch
 from grpc_common.convert import sampling_from_wire, tree_from_wire, tree_to_wire
 from grpc_common.server import RunningServer, start_server
 from router.config import RouterConfig
@@ -68,6 +70,9 @@ class FakeVerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def Verify(self, request, context):
         time.sleep(self.delay_s)
+        return self._verify(request, context)
+
+    def _verify(self, request, context):
         tree = tree_from_wire(request.proposal.tree)
         drafted = Drafted(tree, None, 0, 0) if len(tree) else None
         verified = asyncio.run(self.fake.verify(request.sequence_id, drafted, defer_bonus=request.defer_bonus))
@@ -87,6 +92,13 @@ class FakeVerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def Status(self, request, context):
         return verifier_pb2.VerifierStatusReply(model="fake", open_sequences=len(self.fake.sequences))
 
+    def Batch(self, request, context):
+        if any(call.WhichOneof("call") == "verify" for call in request.calls):
+            time.sleep(self.delay_s)  # one batched forward for all of them
+        handlers = {"open": self.OpenSequence, "verify": self._verify, "close": self.CloseSequence}
+        results = answer_batch(request.calls, answer_now(handlers, context), verifier_pb2.VerifierResult, context)
+        return verifier_pb2.VerifierBatchReply(results=results)
+
 
 class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """``specdec.v1.Drafter`` (kind ngram) around a FakeDrafter; every Propose takes at least ``delay_s``."""
@@ -103,6 +115,9 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def Propose(self, request, context):
         time.sleep(self.delay_s)
+        return self._propose(request, context)
+
+    def _propose(self, request, context):
         drafted = asyncio.run(
             self.fake.propose(
                 request.sequence_id, request.max_tokens, assume_previous_accepted=request.assume_previous_accepted
@@ -121,6 +136,32 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def Status(self, request, context):
         return drafter_pb2.DrafterStatusReply(kind="ngram", open_sequences=len(self.fake.sequences))
+
+    def Batch(self, request, context):
+        if any(call.WhichOneof("call") == "propose" for call in request.calls):
+            time.sleep(self.delay_s)  # one batched draft step for all of them
+        handlers = {
+            "open": self.OpenSequence,
+            "propose": self._propose,
+            "commit": self.Commit,
+            "close": self.CloseSequence,
+        }
+        results = answer_batch(request.calls, answer_now(handlers, context), drafter_pb2.DrafterResult, context)
+        return drafter_pb2.DrafterBatchReply(results=results)
+
+
+def answer_now(handlers: dict[str, Callable], context: grpc.ServicerContext) -> Submit:
+    """A ``Batch`` submit function that runs each call's fake handler at once, in order."""
+
+    def submit(kind: str, request) -> Submitted:
+        future: Future = Future()
+        try:
+            future.set_result(handlers[kind](request, context))
+        except Exception as error:
+            future.set_exception(error)
+        return Submitted(future, lambda reply: reply)
+
+    return submit
 
 
 def serve_verifier(fake: FakeVerifier, delay_s: float = 0.0) -> RunningServer:
@@ -384,6 +425,51 @@ def test_overload_is_resource_exhausted_with_a_retry_hint(slow_stack: Stack) -> 
     assert sorted(map(str, results))[-2:] == ["length", "length"]
     with slow_stack.client() as client:  # capacity is back
         assert client.generate(prompt_ids=PROMPT, max_tokens=2, temperature=0.0).finish_reason == "length"
+
+
+def test_requests_past_the_running_cap_wait_in_order_and_past_the_queue_are_refused() -> None:
+    """1 running + 2 waiting: of 4 requests sent at once, 3 finish (the waiting ones as the slot frees, in arrival
+    order) and 1 is refused; a waiting request whose client leaves gives its place up."""
+    stack = Stack(delay_s=0.02, max_concurrent_requests=1, max_waiting_requests=2)
+    frontend = stack.router.frontend
+
+    async def run() -> tuple[list[str], list[int], list[int]]:
+        async with AsyncClient(stack.router.grpc_address, timeout_s=20) as client:
+            finished: list[int] = []
+
+            async def one(index: int, max_tokens: int = 6) -> str:
+                try:
+                    await client.generate(prompt_ids=list(PROMPT), max_tokens=max_tokens, ignore_eos=True)
+                except Overloaded:
+                    return "RESOURCE_EXHAUSTED"
+                finished.append(index)
+                return "OK"
+
+            tasks = []
+            for index in range(4):
+                tasks.append(asyncio.ensure_future(one(index, max_tokens=30)))  # each runs for >= 0.2 s
+                await asyncio.sleep(0.03)  # arrival order 0, 1, 2, 3
+            codes = list(await asyncio.gather(*tasks))
+
+            running = asyncio.ensure_future(one(10, max_tokens=40))
+            await asyncio.sleep(0.1)
+            leaving = asyncio.ensure_future(one(11))
+            await asyncio.sleep(0.1)
+            queue_lengths = [frontend.waiting]
+            leaving.cancel()
+            await asyncio.sleep(0.1)
+            queue_lengths.append(frontend.waiting)
+            await running
+            return codes, finished, queue_lengths
+
+    try:
+        codes, finished, queue_lengths = asyncio.run(run())
+    finally:
+        stack.stop()
+    assert sorted(codes) == ["OK", "OK", "OK", "RESOURCE_EXHAUSTED"], codes
+    assert finished == [0, 1, 2, 10]
+    assert queue_lengths == [1, 0]
+    assert frontend.running == 0
 
 
 def test_cancelling_a_stream_frees_both_workers(slow_stack: Stack) -> None:

@@ -134,6 +134,7 @@ class SimulationConfig:
     vocab_size: int = 49152
     seed: int = 0
     max_concurrent_requests: int = 1024
+    max_waiting_requests: int = 4096
     tokenizer: str = "smollm2-135m"
     model: str = "smollm2-135m"
     num_draft_tokens: int = 4
@@ -202,6 +203,18 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sim-drafters", type=int, default=defaults.num_drafters, help="(default %(default)s)")
     group.add_argument("--sim-verifiers", type=int, default=defaults.num_verifiers, help="(default %(default)s)")
     group.add_argument("--sim-seed", type=int, default=defaults.seed, help="seed of the workers' latency draws")
+    group.add_argument(
+        "--sim-max-concurrent",
+        type=int,
+        default=defaults.max_concurrent_requests,
+        help="the router's --max-concurrent-requests (default %(default)s)",
+    )
+    group.add_argument(
+        "--sim-max-waiting",
+        type=int,
+        default=defaults.max_waiting_requests,
+        help="the router's --max-waiting-requests (default %(default)s)",
+    )
 
 
 def simulation_config_from_args(args: argparse.Namespace) -> SimulationConfig:
@@ -214,6 +227,8 @@ def simulation_config_from_args(args: argparse.Namespace) -> SimulationConfig:
         num_drafters=args.sim_drafters,
         num_verifiers=args.sim_verifiers,
         seed=args.sim_seed,
+        max_concurrent_requests=args.sim_max_concurrent,
+        max_waiting_requests=args.sim_max_waiting,
     )
 
 
@@ -276,6 +291,8 @@ def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[Simu
             str(config.num_draft_tokens),
             "--max-concurrent-requests",
             str(config.max_concurrent_requests),
+            "--max-waiting-requests",
+            str(config.max_waiting_requests),
         ]
         for address in addresses[: config.num_verifiers]:
             router_args += ["--verifier", address]
