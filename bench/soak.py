@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qps", type=float, required=True, help="the configuration's measured target QPS")
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-batch-tokens", type=int, help="the verifier's per-forward token budget")
     parser.add_argument("--speculation", default="pipelined")
     parser.add_argument("--slo-ttft-ms", type=float, required=True)
     parser.add_argument("--slo-itl-ms", type=float, required=True)
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    with model_stack(StackOptions(drafter_kinds=("ngram",))) as stack:
+    with model_stack(StackOptions(drafter_kinds=("ngram",), max_batch_tokens=args.max_batch_tokens)) as stack:
         sampler = MemorySampler(stack.pids(), args.sample_interval)
         specdec = str(Path(sys.executable).with_name("specdec"))
         command = [specdec, "bench", "--backend", "grpc", "--router", stack.grpc_address]

@@ -27,6 +27,7 @@ class StackOptions:
     verifier_threads: int = 1
     drafter_threads: int = 1
     max_concurrent_requests: int = 64
+    max_batch_tokens: int | None = None  # the verifier's per-forward token budget (None: its default)
     log_dir: Path = Path("/tmp/specdec-bench")
 
 
@@ -51,11 +52,11 @@ def model_stack(options: StackOptions) -> Iterator[ModelStack]:
     """Start verifier, drafters and router (models load in parallel); stop them all on exit."""
     gamma = ["--num-draft-tokens", str(options.num_draft_tokens)]
     with Services(options.log_dir) as services:
-        verifier = services.spawn(
-            "verifier",
-            "verifier_service",
-            ["--model", options.target, "--dtype", "float32", "--torch-threads", str(options.verifier_threads)],
-        )
+        verifier_args = ["--model", options.target, "--dtype", "float32"]
+        verifier_args += ["--torch-threads", str(options.verifier_threads)]
+        if options.max_batch_tokens is not None:
+            verifier_args += ["--max-batch-tokens", str(options.max_batch_tokens)]
+        verifier = services.spawn("verifier", "verifier_service", verifier_args)
         drafters = []
         for kind in options.drafter_kinds:
             args = ["--kind", kind, "--target", options.target, "--torch-threads", str(options.drafter_threads), *gamma]

@@ -153,7 +153,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             for w in self.frontend.workers()
         ]
         return router_pb2.RouterStatusReply(
-            model=self.frontend.config.model, workers=workers, running=self.frontend.running
+            model=self.frontend.config.model,
+            workers=workers,
+            running=self.frontend.running,
+            waiting=self.frontend.waiting,
         )
 
 

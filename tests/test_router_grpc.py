@@ -431,10 +431,16 @@ def test_requests_past_the_running_cap_wait_in_order_and_past_the_queue_are_refu
     """1 running + 2 waiting: of 4 requests sent at once, 3 finish (the waiting ones as the slot frees, in arrival
     order) and 1 is refused; a waiting request whose client leaves gives its place up."""
     stack = Stack(delay_s=0.02, max_concurrent_requests=1, max_waiting_requests=2)
-    frontend = stack.router.frontend
 
-    async def run() -> tuple[list[str], list[int], list[int]]:
-        async with AsyncClient(stack.router.grpc_address, timeout_s=20) as client:
+    async def run() -> tuple[list[str], list[int], list[tuple[int, int]]]:
+        status_channel = grpc.aio.insecure_channel(stack.router.grpc_address)
+        router = router_pb2_grpc.RouterStub(status_channel)
+
+        async def running_and_waiting() -> tuple[int, int]:
+            status = await router.Status(router_pb2.RouterStatusRequest(), timeout=5)
+            return status.running, status.waiting
+
+        async with status_channel, AsyncClient(stack.router.grpc_address, timeout_s=20) as client:
             finished: list[int] = []
 
             async def one(index: int, max_tokens: int = 6) -> str:
@@ -455,11 +461,12 @@ def test_requests_past_the_running_cap_wait_in_order_and_past_the_queue_are_refu
             await asyncio.sleep(0.1)
             leaving = asyncio.ensure_future(one(11))
             await asyncio.sleep(0.1)
-            queue_lengths = [frontend.waiting]
+            queue_lengths = [await running_and_waiting()]
             leaving.cancel()
             await asyncio.sleep(0.1)
-            queue_lengths.append(frontend.waiting)
+            queue_lengths.append(await running_and_waiting())
             await running
+            queue_lengths.append(await running_and_waiting())
             return codes, finished, queue_lengths
 
     try:
@@ -468,8 +475,7 @@ def test_requests_past_the_running_cap_wait_in_order_and_past_the_queue_are_refu
         stack.stop()
     assert sorted(codes) == ["OK", "OK", "OK", "RESOURCE_EXHAUSTED"], codes
     assert finished == [0, 1, 2, 10]
-    assert queue_lengths == [1, 0]
-    assert frontend.running == 0
+    assert queue_lengths == [(1, 1), (1, 0), (0, 0)]  # (running, waiting) over the public Status
 
 
 def test_cancelling_a_stream_frees_both_workers(slow_stack: Stack) -> None:
