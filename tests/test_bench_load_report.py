@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from bench.load.report import SCHEMA_PATH, run_metadata, section7_rows, write_results
+from bench.load.report import SCHEMA_PATH, compact_json, run_metadata, section7_rows, write_results
 from bench.load.summary import Slo, summarize
 from bench.load.sweep import Point
 from tests.test_bench_load_summary import synthetic_run
@@ -118,3 +118,9 @@ def test_schema_rejects_a_missing_key(meta: dict, validator: jsonschema.Draft202
     document = json.loads((tmp_path / "bad.json").read_text())
     del document["p95_ttft_ms"]
     assert not validator.is_valid(document)
+
+
+def test_compact_json_is_one_line_with_microsecond_floats() -> None:
+    text = compact_json({"itls": [0.1234567891, 2.0], "nested": {"x": (1e-7, 3)}, "name": "a"})
+    assert text.count("\n") == 1 and text.endswith("\n")
+    assert json.loads(text) == {"itls": [0.123457, 2.0], "nested": {"x": [0.0, 3]}, "name": "a"}
