@@ -32,11 +32,27 @@ LOG = logging.getLogger("bench.load.simulated")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
+class _CallAborted(Exception):
+    """A batched call's handler aborted: that call fails alone with ``code``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _BatchedCallContext:
+    """What a unary handler sees when it runs as one call of a ``Batch``: aborting fails that call, not the batch."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _CallAborted(code, details)
+
+
 async def _answer_batch(
-    calls: Sequence[Any], servicer: Any, handlers: dict[str, str], result_type: Callable[..., Any]
+    calls: Sequence[Any], handlers: dict[str, Handler], servicer: Any, result_type: Callable[..., Any]
 ) -> list[Any]:
     """One ``result_type`` per call of a ``Batch``, as :func:`grpc_common.batch.answer_batch` answers on the real
-    services: each call runs as its unary handler ``handlers[kind]`` would, failing alone; the calls start in order
+    services: each call runs through its unary handler ``handlers[kind]``, failing alone; the calls start in order
     (so one sequence's calls reach the core in order) and run concurrently."""
 
     async def run(call: Any) -> Any:
@@ -44,9 +60,9 @@ async def _answer_batch(
         if kind is None:
             return result_type(error=call_error(grpc.StatusCode.INVALID_ARGUMENT, "call: no call set"))
         try:
-            reply = await getattr(servicer, handlers[kind]).__wrapped__(servicer, getattr(call, kind), None)
-        except Exception as error:
-            return result_type(error=call_error(status_for(error), error_message(error)))
+            reply = await handlers[kind](servicer, getattr(call, kind), _BatchedCallContext())
+        except _CallAborted as aborted:
+            return result_type(error=call_error(aborted.code, aborted.details))
         return result_type(**{kind: reply})
 
     return list(await asyncio.gather(*(run(call) for call in calls)))
@@ -108,8 +124,8 @@ class SimVerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Batch(
         self, request: verifier_pb2.VerifierBatchRequest, context: grpc.aio.ServicerContext
     ) -> verifier_pb2.VerifierBatchReply:
-        handlers = {"open": "OpenSequence", "verify": "Verify", "close": "CloseSequence"}
-        results = await _answer_batch(request.calls, self, handlers, verifier_pb2.VerifierResult)
+        handlers = {"open": type(self).OpenSequence, "verify": type(self).Verify, "close": type(self).CloseSequence}
+        results = await _answer_batch(request.calls, handlers, self, verifier_pb2.VerifierResult)
         return verifier_pb2.VerifierBatchReply(results=results)
 
     @_mapped
@@ -160,8 +176,9 @@ class SimDrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Batch(
         self, request: drafter_pb2.DrafterBatchRequest, context: grpc.aio.ServicerContext
     ) -> drafter_pb2.DrafterBatchReply:
-        handlers = {"open": "OpenSequence", "propose": "Propose", "commit": "Commit", "close": "CloseSequence"}
-        results = await _answer_batch(request.calls, self, handlers, drafter_pb2.DrafterResult)
+        cls = type(self)
+        handlers = {"open": cls.OpenSequence, "propose": cls.Propose, "commit": cls.Commit, "close": cls.CloseSequence}
+        results = await _answer_batch(request.calls, handlers, self, drafter_pb2.DrafterResult)
         return drafter_pb2.DrafterBatchReply(results=results)
 
     @_mapped
