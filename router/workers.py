@@ -76,11 +76,31 @@ class Worker:
 
 
 class WorkerClient:
-    """A worker's client: its :class:`Worker` record and address."""
+    """A worker's client: its :class:`Worker` record and address, and the batcher its calls go through.
 
-    def __init__(self, worker: Worker) -> None:
+    ``batch_method`` is the stub's ``Batch`` and ``batch_request`` its request type (``calls=[...]``); a call is a
+    ``DrafterCall`` / ``VerifierCall`` and its result the matching ``*Result``.
+    """
+
+    def __init__(
+        self, worker: Worker, batch_method: Callable[..., Awaitable[Any]], batch_request: Callable[..., Any]
+    ) -> None:
         self.worker = worker
         self.address = worker.address
+        self._batch_method = batch_method
+        self._batch_request = batch_request
+        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, self._send)
+
+    async def _send(self, calls: list[Any]) -> Sequence[Any]:
+        reply = await self.worker.call(self._batch_method, self._batch_request(calls=calls))
+        return reply.results
+
+    async def _call(self, kind: str, call: Any) -> Any:
+        """``call`` in this tick's Batch; its reply (the ``kind`` field of its result), or its failure raised."""
+        result = await self.batcher.submit(call)
+        if result.WhichOneof("result") == "error":
+            raise call_failure(self.address, result.error)
+        return getattr(result, kind)
 
 
 C = TypeVar("C", bound=WorkerClient)
@@ -90,21 +110,8 @@ class GrpcDrafter(WorkerClient):
     """:class:`~router.pipeline.DrafterClient` over the ``specdec.v1.Drafter`` service; calls go in Batch RPCs."""
 
     def __init__(self, worker: Worker) -> None:
-        super().__init__(worker)
-        self._stub = drafter_pb2_grpc.DrafterStub(worker.channel)
-        self.batcher: CallBatcher[drafter_pb2.DrafterCall, drafter_pb2.DrafterResult] = CallBatcher(
-            worker.address, self._send
-        )
-
-    async def _send(self, calls: list[drafter_pb2.DrafterCall]) -> Sequence[drafter_pb2.DrafterResult]:
-        reply = await self.worker.call(self._stub.Batch, drafter_pb2.DrafterBatchRequest(calls=calls))
-        return reply.results
-
-    async def _call(self, kind: str, call: drafter_pb2.DrafterCall) -> Any:
-        result = await self.batcher.submit(call)
-        if result.WhichOneof("result") == "error":
-            raise call_failure(self.address, result.error)
-        return getattr(result, kind)
+        stub = drafter_pb2_grpc.DrafterStub(worker.channel)
+        super().__init__(worker, stub.Batch, drafter_pb2.DrafterBatchRequest)
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         shape = drafter_pb2.DraftShape(
@@ -146,21 +153,8 @@ class GrpcVerifier(WorkerClient):
     """:class:`~router.pipeline.VerifierClient` over the ``specdec.v1.Verifier`` service; calls go in Batch RPCs."""
 
     def __init__(self, worker: Worker) -> None:
-        super().__init__(worker)
-        self._stub = verifier_pb2_grpc.VerifierStub(worker.channel)
-        self.batcher: CallBatcher[verifier_pb2.VerifierCall, verifier_pb2.VerifierResult] = CallBatcher(
-            worker.address, self._send
-        )
-
-    async def _send(self, calls: list[verifier_pb2.VerifierCall]) -> Sequence[verifier_pb2.VerifierResult]:
-        reply = await self.worker.call(self._stub.Batch, verifier_pb2.VerifierBatchRequest(calls=calls))
-        return reply.results
-
-    async def _call(self, kind: str, call: verifier_pb2.VerifierCall) -> Any:
-        result = await self.batcher.submit(call)
-        if result.WhichOneof("result") == "error":
-            raise call_failure(self.address, result.error)
-        return getattr(result, kind)
+        stub = verifier_pb2_grpc.VerifierStub(worker.channel)
+        super().__init__(worker, stub.Batch, verifier_pb2.VerifierBatchRequest)
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         request = verifier_pb2.OpenVerifyRequest(
