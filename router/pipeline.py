@@ -5,15 +5,16 @@ One :class:`Session` runs one request. Workers sit behind the small :class:`Draf
 so the loop is tested with in-memory fakes.
 
 A round, **sequential**: ``drafter.Propose`` → ``verifier.Verify(proposal)`` → stream the emitted tokens →
-``drafter.Commit(base_length, emitted)`` (sent lazily, just before the drafter is next needed).
+``drafter.Commit(base_length, emitted)`` (sent lazily, with the drafter's next call: carried on the next Propose,
+so both travel in one message).
 
 **Pipelined** (chains only): right after sending ``Verify`` for chain k with ``defer_bonus``, the drafter is
 asked to ``Propose(assume_previous_accepted)`` chain k+1 concurrently. When the verdict comes back:
 
 * ``bonus_deferred`` (all of chain k accepted; the verifier kept ``p(γ+1)`` instead of drawing a bonus): a
   **pipeline hit**. Chain k+1 goes to the verifier at once, its first token verified against the kept row;
-  the drafter is told ``Commit(base_length, chain k)`` (confirming what it assumed) while that verification
-  runs, then drafts chain k+2 the same way.
+  while that verification runs, the drafter is told ``Commit(base_length, chain k)`` (confirming what it assumed)
+  and asked for chain k+2 the same way, in one message.
 * otherwise a **pipeline miss**: chain k+1 is thrown away, and ``Commit`` of the verdict rolls the drafter
   back to the committed prefix before it drafts afresh.
 
@@ -122,7 +123,17 @@ class DrafterClient(Protocol):
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None: ...
 
-    async def propose(self, sequence_id: str, max_tokens: int, *, assume_previous_accepted: bool) -> Drafted: ...
+    async def propose(
+        self,
+        sequence_id: str,
+        max_tokens: int,
+        *,
+        assume_previous_accepted: bool,
+        commit: tuple[int, Sequence[int]] | None = None,
+    ) -> Drafted:
+        """Draft; ``commit`` (``base_length, emitted``), if given, is applied first, exactly as :meth:`commit`
+        would, and its failure raises before any proposal is used."""
+        ...
 
     async def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None: ...
 
@@ -383,8 +394,12 @@ class Session:
         await self._drafter_call(lambda drafter: drafter.commit(self.sequence_id, base_length, emitted))
 
     async def _propose(self, budget: int, *, assume_previous_accepted: bool) -> Drafted | None:
+        """A proposal, carrying the last verdict's Commit if the drafter has not heard it (one message, not two)."""
+        commit, self._pending_commit = self._pending_commit, None
         drafted = await self._drafter_call(
-            lambda drafter: drafter.propose(self.sequence_id, budget, assume_previous_accepted=assume_previous_accepted)
+            lambda drafter: drafter.propose(
+                self.sequence_id, budget, assume_previous_accepted=assume_previous_accepted, commit=commit
+            )
         )
         if drafted is not None:
             self.stats.count_drafted(drafted)
@@ -397,15 +412,15 @@ class Session:
         if self._predrafted is not None:
             drafted, self._predrafted = self._predrafted, None
             return drafted
-        await self._flush_commit()
         if self.drafter is None or self.remaining < 2:  # the round's last token is always the target's
+            await self._flush_commit()
             return None
         return await self._propose(self.remaining - 1, assume_previous_accepted=False)
 
     async def _drafter_side(self, predraft_budget: int | None) -> Drafted | None:
-        """While the verifier works: commit the last verdict, then (pipelining) draft the next chain."""
-        await self._flush_commit()
+        """While the verifier works: commit the last verdict, and (pipelining) draft the next chain with it."""
         if predraft_budget is None:
+            await self._flush_commit()
             return None
         return await self._propose(predraft_budget, assume_previous_accepted=True)
 

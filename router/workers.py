@@ -97,7 +97,9 @@ class WorkerClient:
 
     async def _call(self, kind: str, call: Any) -> Any:
         """``call`` in this tick's Batch; its reply (the ``kind`` field of its result), or its failure raised."""
-        result = await self.batcher.submit(call)
+        return self._result(kind, await self.batcher.submit(call))
+
+    def _result(self, kind: str, result: Any) -> Any:
         if result.WhichOneof("result") == "error":
             raise call_failure(self.address, result.error)
         return getattr(result, kind)
@@ -128,11 +130,30 @@ class GrpcDrafter(WorkerClient):
         )
         await self._call("open", drafter_pb2.DrafterCall(open=request))
 
-    async def propose(self, sequence_id: str, max_tokens: int, *, assume_previous_accepted: bool) -> Drafted:
+    async def propose(
+        self,
+        sequence_id: str,
+        max_tokens: int,
+        *,
+        assume_previous_accepted: bool,
+        commit: tuple[int, Sequence[int]] | None = None,
+    ) -> Drafted:
+        committed = None
+        if commit is not None:  # queued first, so the drafter applies it first (same Batch, listed before)
+            base_length, emitted = commit
+            request = drafter_pb2.DraftCommitRequest(sequence_id=sequence_id, base_length=base_length, emitted=emitted)
+            committed = self.batcher.submit(drafter_pb2.DrafterCall(commit=request))
         request = drafter_pb2.ProposeRequest(
             sequence_id=sequence_id, max_tokens=max_tokens, assume_previous_accepted=assume_previous_accepted
         )
-        reply = await self._call("propose", drafter_pb2.DrafterCall(propose=request))
+        proposed = self.batcher.submit(drafter_pb2.DrafterCall(propose=request))
+        try:
+            if committed is not None:
+                self._result("commit", await committed)
+            reply = self._result("propose", await proposed)
+        except BaseException:  # a proposal after a failed commit is not used; nobody is left to read its answer
+            proposed.cancel()
+            raise
         try:
             tree = tree_from_wire(reply.proposal.tree)
         except ValueError as error:

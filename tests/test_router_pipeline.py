@@ -161,7 +161,16 @@ class FakeDrafter:
             "gamma": spec.shape.num_draft_tokens,
         }
 
-    async def propose(self, sequence_id: str, max_tokens: int, *, assume_previous_accepted: bool) -> Drafted:
+    async def propose(
+        self,
+        sequence_id: str,
+        max_tokens: int,
+        *,
+        assume_previous_accepted: bool,
+        commit: tuple[int, Sequence[int]] | None = None,
+    ) -> Drafted:
+        if commit is not None:
+            await self.commit(sequence_id, *commit)
         self._fail("propose-assume" if assume_previous_accepted else "propose")
         await asyncio.sleep(0)
         state = self.sequences[sequence_id]

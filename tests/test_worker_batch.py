@@ -16,9 +16,10 @@ from drafter_service.server import start_drafter
 from grpc_common.convert import proposal_to_wire, tree_from_wire
 from router.batching import CallBatcher
 from router.errors import WorkerBusyError, WorkerError, WorkerUnavailableError
-from router.pipeline import Chunk
+from router.pipeline import Chunk, SequenceSpec
+from router.requests import DraftShape
 from router.servicer import merge_chunks
-from router.workers import call_failure
+from router.workers import GrpcDrafter, Worker, call_failure
 from specdec.drafters.base import Proposal
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -145,3 +146,34 @@ def test_merged_chunks_carry_the_same_tokens_text_and_logprobs(logprobs: bool) -
     assert merged.token_ids == (1, 2, 3, 4) and merged.text == "abcd"
     assert merged.logprobs == ((-0.1, -0.2, -0.3, -0.4) if logprobs else ())
     assert merge_chunks(chunks[:1]) is chunks[0]
+
+
+def test_a_commit_carried_on_a_propose_is_one_message_with_the_same_effect() -> None:
+    target = tiny_llama(seed=51, vocab_size=VOCAB, num_layers=2)
+    running = start_drafter(config_for("model"), target=target, draft=tiny_draft(target, seed=52, num_layers=1))
+    spec = SequenceSpec(tuple(PROMPT), SamplingParams(temperature=0.8), 16, False, False, DraftShape(3))
+
+    async def run() -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+        worker = Worker("drafter", running.address, grpc.aio.insecure_channel(running.address), TIMEOUT_S)
+        drafter = GrpcDrafter(worker)
+        try:
+            for sequence_id in ("apart", "carried", "uncommitted"):
+                await drafter.open(sequence_id, spec, seed=5)
+                first = await drafter.propose(sequence_id, 3, assume_previous_accepted=False)
+            emitted = (first.tree.tokens[0], (first.tree.tokens[0] + 1) % VOCAB)
+            await drafter.commit("apart", len(PROMPT), emitted)
+            apart = await drafter.propose("apart", 3, assume_previous_accepted=False)
+            batches = drafter.batcher.batches
+            carried = await drafter.propose("carried", 3, assume_previous_accepted=False, commit=(len(PROMPT), emitted))
+            batches = drafter.batcher.batches - batches
+            uncommitted = await drafter.propose("uncommitted", 3, assume_previous_accepted=False)
+            return apart.tree.tokens, carried.tree.tokens, uncommitted.tree.tokens, batches
+        finally:
+            await worker.channel.close()
+
+    try:
+        apart, carried, uncommitted, batches = asyncio.run(run())
+    finally:
+        running.stop(grace_s=0)
+    assert carried == apart and batches == 1
+    assert uncommitted != apart  # the commit changed what is drafted, so the equality above means something
