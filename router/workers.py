@@ -140,9 +140,7 @@ class GrpcDrafter(WorkerClient):
     ) -> Drafted:
         committed = None
         if commit is not None:  # queued first, so the drafter applies it first (same Batch, listed before)
-            base_length, emitted = commit
-            request = drafter_pb2.DraftCommitRequest(sequence_id=sequence_id, base_length=base_length, emitted=emitted)
-            committed = self.batcher.submit(drafter_pb2.DrafterCall(commit=request))
+            committed = self.batcher.submit(_commit_call(sequence_id, *commit))
         request = drafter_pb2.ProposeRequest(
             sequence_id=sequence_id, max_tokens=max_tokens, assume_previous_accepted=assume_previous_accepted
         )
@@ -162,12 +160,16 @@ class GrpcDrafter(WorkerClient):
         return Drafted(tree, reply.proposal, reply.draft_ns, wire_bytes)
 
     async def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None:
-        request = drafter_pb2.DraftCommitRequest(sequence_id=sequence_id, base_length=base_length, emitted=emitted)
-        await self._call("commit", drafter_pb2.DrafterCall(commit=request))
+        await self._call("commit", _commit_call(sequence_id, base_length, emitted))
 
     async def close(self, sequence_id: str) -> None:
         request = drafter_pb2.CloseDraftRequest(sequence_id=sequence_id)
         await self._call("close", drafter_pb2.DrafterCall(close=request))
+
+
+def _commit_call(sequence_id: str, base_length: int, emitted: Sequence[int]) -> drafter_pb2.DrafterCall:
+    request = drafter_pb2.DraftCommitRequest(sequence_id=sequence_id, base_length=base_length, emitted=emitted)
+    return drafter_pb2.DrafterCall(commit=request)
 
 
 class GrpcVerifier(WorkerClient):
