@@ -43,7 +43,7 @@ def exact_law(target, params: SamplingParams, stop_at_eos: bool) -> dict[tuple[i
     sequences = torch.tensor(list(itertools.product(range(VOCAB), repeat=LENGTH)))
     inputs = torch.cat([torch.tensor(PROMPT).expand(len(sequences), -1), sequences], dim=1)
     with torch.inference_mode():
-        logits = target.model(inputs).logits[:, len(PROMPT) - 1 : -1].double()
+        logits = target.model(inputs.to(target.model.device)).logits[:, len(PROMPT) - 1 : -1].double().cpu()
     probs = logits_to_probs(logits, params).double()  # [S, LENGTH, V]
     seq_probs = probs.gather(-1, sequences.unsqueeze(-1)).squeeze(-1).prod(dim=-1)
     law: Counter = Counter()

@@ -2,13 +2,15 @@
 
 ``tiny_llama(seed)`` is a target; ``tiny_draft(target, seed)`` a related draft (a perturbed copy: total
 variation to the target ~0.2, same argmax ~70% of the time), so chains see both acceptances and
-rejections. Both are float32 on CPU, deterministic for a given seed, and have no tokenizer. The EOS id
-is ``vocab_size - 1``.
+rejections. Both are float32, deterministic for a given seed, and have no tokenizer. The EOS id
+is ``vocab_size - 1``. They live on ``SPECDEC_TEST_DEVICE`` (default ``cpu``; ``cuda`` runs the
+distribution tests that support it on a GPU).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -16,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec.models import LoadedModel, load_model
 
 SMOLLM2 = "smollm2-135m"
+TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
 
 
 def tiny_config(vocab_size: int = 8, num_layers: int = 2) -> LlamaConfig:
@@ -37,7 +40,7 @@ def tiny_config(vocab_size: int = 8, num_layers: int = 2) -> LlamaConfig:
 
 
 def _loaded(model: LlamaForCausalLM, name: str) -> LoadedModel:
-    model = model.eval().requires_grad_(False)
+    model = model.to(TEST_DEVICE).eval().requires_grad_(False)
     eos = frozenset({model.config.eos_token_id})
     return LoadedModel(model, None, name, model.config.vocab_size, eos)
 

@@ -131,7 +131,8 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
         config = sequence.config
         expand = sorted(draft.frontier, key=lambda node: -self._path_prob(draft, node))
         node_logits = logits[[node + 1 for node in expand]]  # [F, V]
-        rows = logits_to_probs(node_logits, sequence.params.with_top_k_cap(config.draft_top_k))
+        # On the host: children are drawn with the sequence's CPU generator, and the rows go over the wire.
+        rows = logits_to_probs(node_logits, sequence.params.with_top_k_cap(config.draft_top_k)).cpu()
         ranking = torch.softmax(node_logits.float(), dim=-1) if sequence.params.greedy else rows
         new_frontier = []
         level_room = max(1, (draft.budget - len(draft.tokens)) // levels_left)
