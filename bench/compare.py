@@ -258,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch-tokens", type=int, help="the verifier's per-forward token budget")
+    parser.add_argument("--max-concurrent-requests", type=int, default=64, help="the router's running cap")
+    parser.add_argument("--device", default="cpu", help="torch device of the verifier and the model drafters")
+    parser.add_argument("--dtype", default="float32", help="dtype of the verifier and the model drafters")
     parser.add_argument("--categories", default="chat,summarise,rewrite,code")
     parser.add_argument("--prompts", type=Path)
     parser.add_argument("--result-dir", type=Path, default=Path("bench/results"))
@@ -274,7 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     options = RequestOptions(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     kinds = ("ngram", "early-exit") if "tree" in sections else ("ngram",)
     stack_options = StackOptions(
-        drafter_kinds=kinds, early_exit_layers=args.early_exit_layers, max_batch_tokens=args.max_batch_tokens
+        device=args.device,
+        dtype=args.dtype,
+        drafter_kinds=kinds,
+        early_exit_layers=args.early_exit_layers,
+        max_batch_tokens=args.max_batch_tokens,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
     document: dict[str, Any] = run_metadata(args.name, sys.argv, vars(args) | {"result_dir": str(args.result_dir)})
     parts = [f"# Comparisons ({document['date']})", "", f"Command: `{' '.join(sys.argv)}`", ""]

@@ -253,6 +253,10 @@ def markdown(summaries: Sequence[Summary], meta: dict) -> str:
         f"{meta['load_after']} after; the machine may be shared) · Python {meta['python']} · torch {meta['torch']} · "
         f"transformers {meta['transformers']} · grpcio {meta['grpcio']}",
         "",
+        f"Models (co-located engine, verifier, drafter) on **{meta.get('device', 'cpu')}**"
+        + (f" ({meta['gpu']})" if meta.get("gpu") else "")
+        + ".",
+        "",
         f"Greedy, float32, EOS honoured, max {meta['max_tokens']} new tokens, γ = {meta['num_draft_tokens']}, "
         f"{meta['num_prompts']} chat-templated prompts ({', '.join(meta['categories'])}), "
         f"{', '.join(str(n) for n in meta['streams'])} concurrent stream(s). Torch threads: co-located engine "
@@ -441,6 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, help="first N prompts, categories in turn (default: all)")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="γ, the ngram chain length")
     parser.add_argument("--streams", default="1,8", help="comma-separated load levels (concurrent streams)")
+    parser.add_argument("--device", default="cpu", help="torch device of every model (co-located and services)")
     parser.add_argument("--colocated-threads", type=int, default=1, help="torch threads of the co-located engine")
     parser.add_argument("--verifier-threads", type=int, default=1, help="torch threads of the verifier service")
     parser.add_argument("--drafter-threads", type=int, default=1, help="torch threads of the drafter service")
@@ -477,18 +482,17 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     with Services(args.log_dir) as services:
         gamma = ["--num-draft-tokens", str(args.num_draft_tokens)]
+        on_device = ["--device", args.device]
         verifier = services.spawn(
             "verifier",
             "verifier_service",
-            ["--model", args.target, "--dtype", "float32", "--torch-threads", str(args.verifier_threads)]
+            ["--model", args.target, "--dtype", "float32", *on_device, "--torch-threads", str(args.verifier_threads)]
             + ([] if args.verifier_batch_wait_ms is None else ["--batch-wait-ms", str(args.verifier_batch_wait_ms)]),
         )
-        drafter = services.spawn(
-            "drafter",
-            "drafter_service",
-            ["--kind", "ngram", "--target", args.target, "--torch-threads", str(args.drafter_threads), *gamma],
-        )
-        target = load_model(args.target)  # meanwhile, the co-located side
+        drafter_args = ["--kind", "ngram", "--target", args.target, *on_device, *gamma]
+        drafter_args += ["--torch-threads", str(args.drafter_threads)]
+        drafter = services.spawn("drafter", "drafter_service", drafter_args)
+        target = load_model(args.target, device=args.device)  # meanwhile, the co-located side
         rows = interleave_categories(load_prompts(PROMPTS, None), args.num_prompts)
         prompts = [(index, encode_prompt(target, row["prompt"], chat=True)) for index, row in rows]
         engines = {
@@ -544,6 +548,8 @@ def main(argv: list[str] | None = None) -> None:
             "drafter": args.drafter_threads,
         },
         "dtype": "float32",
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "sampling": "greedy",
         "ignore_eos": False,
         "total_s": round(time.perf_counter() - started, 1),

@@ -18,9 +18,14 @@ from bench.services import Service, Services
 
 @dataclass(frozen=True)
 class StackOptions:
-    """What to start. Threads are torch intra-op threads per service (this machine has 2 cores)."""
+    """What to start. Threads are torch intra-op threads per service (this machine has 2 cores).
+
+    ``device`` and ``dtype`` are the verifier's and the model drafters' (``cuda`` puts both on the GPU).
+    """
 
     target: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "float32"
     drafter_kinds: tuple[str, ...] = ("ngram",)
     early_exit_layers: int | None = None
     num_draft_tokens: int = 4
@@ -52,14 +57,16 @@ def model_stack(options: StackOptions) -> Iterator[ModelStack]:
     """Start verifier, drafters and router (models load in parallel); stop them all on exit."""
     gamma = ["--num-draft-tokens", str(options.num_draft_tokens)]
     with Services(options.log_dir) as services:
-        verifier_args = ["--model", options.target, "--dtype", "float32"]
+        placement = ["--device", options.device, "--dtype", options.dtype]
+        verifier_args = ["--model", options.target, *placement]
         verifier_args += ["--torch-threads", str(options.verifier_threads)]
         if options.max_batch_tokens is not None:
             verifier_args += ["--max-batch-tokens", str(options.max_batch_tokens)]
         verifier = services.spawn("verifier", "verifier_service", verifier_args)
         drafters = []
         for kind in options.drafter_kinds:
-            args = ["--kind", kind, "--target", options.target, "--torch-threads", str(options.drafter_threads), *gamma]
+            args = ["--kind", kind, "--target", options.target, "--torch-threads", str(options.drafter_threads)]
+            args += [*gamma, *placement]
             if kind == "early-exit" and options.early_exit_layers is not None:
                 args += ["--early-exit-layers", str(options.early_exit_layers)]
             drafters.append(services.spawn(f"drafter-{kind}", "drafter_service", args))
