@@ -200,7 +200,7 @@ def qps_sweep(stack: Any, args: argparse.Namespace, prompts: list, options: Any)
     """Open-loop sweep, off vs pipelined interleaved, through the bench's own sweep and report."""
     from bench.load.backends import GrpcBackend
     from bench.load.cli import default_prompts
-    from bench.load.report import run_metadata, targets, write_results
+    from bench.load.report import point_stem, run_metadata, targets, write_point, write_results
     from bench.load.runner import LoadSpec
     from bench.load.summary import Slo
     from bench.load.sweep import run_sweep
@@ -208,20 +208,6 @@ def qps_sweep(stack: Any, args: argparse.Namespace, prompts: list, options: Any)
     rates = [float(rate) for rate in args.qps.split(",")]
     slo = Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=None, itl_ms=args.slo_itl_ms)
     spec = LoadSpec(qps=rates[0], duration_s=args.duration, warmup_requests=2, seed=0)
-    points, stopped = asyncio.run(
-        run_sweep(
-            lambda: GrpcBackend(stack.grpc_address),
-            prompts,
-            options,
-            spec,
-            rates=rates,
-            modes=["off", "pipelined"],
-            slo=slo,
-            progress=False,
-            metrics_url=f"{stack.base_url}/metrics",
-            report=lambda point: print(f"  {point[1]['label']}: {point[1]['completed']} done", flush=True),
-        )
-    )
     name = f"{args.name}-qps"
     labels = {
         "model": StackOptions().target,
@@ -234,6 +220,25 @@ def qps_sweep(stack: Any, args: argparse.Namespace, prompts: list, options: Any)
         "result_dir": str(args.result_dir),
     }
     meta = run_metadata(name, sys.argv, vars(args) | labels)
+
+    def finished(point: Any) -> None:
+        write_point(args.result_dir, point_stem(name, point), point, meta)
+        print(f"  {point[1]['label']}: {point[1]['completed']} done", flush=True)
+
+    points, stopped = asyncio.run(
+        run_sweep(
+            lambda: GrpcBackend(stack.grpc_address),
+            prompts,
+            options,
+            spec,
+            rates=rates,
+            modes=["off", "pipelined"],
+            slo=slo,
+            progress=False,
+            metrics_url=f"{stack.base_url}/metrics",
+            report=finished,
+        )
+    )
     write_results(args.result_dir, name, points, meta, slo=slo, stopped=stopped)
     return {"target_qps": targets(points, slo), "stopped": stopped}
 

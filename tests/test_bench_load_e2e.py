@@ -179,6 +179,33 @@ def test_cli_sweep_off_vs_pipelined(stack: Stack, tmp_path: Path, capsys: pytest
     assert "| 20 | pipelined | 3 / 0 (0) |" in capsys.readouterr().out
 
 
+def test_a_killed_sweep_keeps_the_points_it_finished(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep cut off (time limit, lost machine) before its final report still leaves each finished point."""
+    started: list[str] = []
+
+    async def killed_at_the_third_point(*args, label: str, **kwargs):
+        started.append(label)
+        if len(started) == 3:
+            raise RuntimeError("killed")
+        return await run_load(*args, label=label, **kwargs)
+
+    monkeypatch.setattr("bench.load.sweep.run_load", killed_at_the_third_point)
+    router = stack.router
+    argv = ["bench", "--router", router.grpc_address, "--base-url", f"http://{router.http_address}"]
+    argv += ["--qps", "10,20", "--sweep-speculation", "off,pipelined", "--num-requests", "2", "--warmup", "0"]
+    argv += ["--max-tokens", "4", "--no-progress", "--result-dir", str(tmp_path), "--name", "k"]
+    assert main(argv) != 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "k-qps10-off.json",
+        "k-qps10-off.md",
+        "k-qps10-pipelined.json",
+        "k-qps10-pipelined.md",
+    ]
+    assert json.loads((tmp_path / "k-qps10-pipelined.json").read_text())["completed"] == 2
+
+
 def test_specdec_cli_import_stays_light() -> None:
     code = "import sys, specdec.cli; print(sorted(m for m in ('grpc', 'aiohttp', 'matplotlib') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

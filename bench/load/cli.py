@@ -124,10 +124,10 @@ def _bench(args: argparse.Namespace, grpc_address: str | None, base_url: str | N
     import asyncio
 
     from bench.load.backends import make_backend
-    from bench.load.report import run_metadata, write_results
+    from bench.load.report import point_stem, run_metadata, write_point, write_results
     from bench.load.runner import LoadSpec
     from bench.load.summary import Slo
-    from bench.load.sweep import run_sweep
+    from bench.load.sweep import Point, run_sweep
     from bench.load.workload import RequestOptions, load_prompts
 
     address = grpc_address if args.backend == "grpc" else base_url
@@ -174,6 +174,12 @@ def _bench(args: argparse.Namespace, grpc_address: str | None, base_url: str | N
     config["qps"] = None if args.qps is None else [str(q) if math.isinf(q) else q for q in args.qps]  # JSON has no inf
     config.update({key: str(value) for key, value in config.items() if key.startswith("sim_")})
     meta = run_metadata(name, sys.argv, config)
+    modes = args.sweep_speculation or [args.speculation]
+    sweep = len(rates) > 1 or len(modes) > 1
+
+    def keep_point(point: Point) -> None:
+        write_point(args.result_dir, point_stem(name, point), point, meta)
+
     points, stopped = asyncio.run(
         run_sweep(
             lambda: make_backend(args.backend, address, args.timeout, token),
@@ -181,10 +187,11 @@ def _bench(args: argparse.Namespace, grpc_address: str | None, base_url: str | N
             options,
             spec,
             rates=rates if len(rates) > 1 else None,
-            modes=args.sweep_speculation or [args.speculation],
+            modes=modes,
             slo=slo,
             progress=not args.no_progress,
             metrics_url=metrics_url,
+            report=keep_point if sweep else None,
         )
     )
     markdown, written = write_results(

@@ -270,6 +270,21 @@ def compact_json(document: Any) -> str:
     return json.dumps(rounded(document), separators=(",", ":")) + "\n"
 
 
+def point_stem(name: str, point: Point) -> str:
+    """File stem of one point of sweep ``name``."""
+    return f"{name}-{point[1]['label']}"
+
+
+def write_point(result_dir: Path, stem: str, point: Point, meta: dict[str, Any]) -> list[Path]:
+    """Write one point's JSON and Markdown. Sweeps call it as each point finishes, so a sweep that is killed
+    (a time limit, a lost machine) keeps the points it finished."""
+    result_dir.mkdir(parents=True, exist_ok=True)
+    paths = [result_dir / f"{stem}.json", result_dir / f"{stem}.md"]
+    paths[0].write_text(compact_json(point_document(point, meta)))
+    paths[1].write_text(point_markdown(point[1], meta))
+    return paths
+
+
 def write_results(
     result_dir: Path,
     name: str,
@@ -291,11 +306,10 @@ def write_results(
 
     single = len(points) == 1
     for point in points:
-        stem = name if single else f"{name}-{point[1]['label']}"
-        markdown = point_markdown(point[1], meta)
-        write(f"{stem}.json", compact_json(point_document(point, meta)))
-        write(f"{stem}.md", markdown)
-    if not single:
+        written += write_point(result_dir, name if single else point_stem(name, point), point, meta)
+    if single:
+        markdown = point_markdown(points[0][1], meta)
+    else:
         document = sweep_document(points, meta, slo, stopped or {})
         markdown = sweep_markdown(document)
         write(f"{name}-sweep.json", json.dumps(document, indent=1) + "\n")
