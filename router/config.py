@@ -51,6 +51,7 @@ class RouterConfig:
     drafter_deadline_s: float = 5.0
     verifier_deadline_s: float = 30.0
     health_interval_s: float = 2.0
+    health_timeouts_to_eject: int = 3
     default_max_tokens: int = 256
     max_model_len: int = 0
     eos_token_ids: tuple[int, ...] = ()
@@ -69,7 +70,13 @@ class RouterConfig:
         for name in ("grpc_port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise InvalidArgumentError(name, f"must be a port in [0, 65536), got {getattr(self, name)}")
-        for name in ("num_draft_tokens", "max_draft_tokens", "max_concurrent_requests", "default_max_tokens"):
+        for name in (
+            "num_draft_tokens",
+            "max_draft_tokens",
+            "max_concurrent_requests",
+            "default_max_tokens",
+            "health_timeouts_to_eject",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.num_draft_tokens > self.max_draft_tokens:
@@ -118,6 +125,7 @@ class RouterConfig:
             drafter_deadline_s=args.drafter_deadline_s,
             verifier_deadline_s=args.verifier_deadline_s,
             health_interval_s=args.health_interval_s,
+            health_timeouts_to_eject=args.health_timeouts_to_eject,
             default_max_tokens=args.default_max_tokens,
             max_model_len=args.max_model_len,
             eos_token_ids=tuple(int(token) for token in listed["eos_token_id"]),
@@ -183,6 +191,12 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--drafter-deadline-s", type=float, default=env("drafter_deadline_s"))
     parser.add_argument("--verifier-deadline-s", type=float, default=env("verifier_deadline_s"))
     parser.add_argument("--health-interval-s", type=float, default=env("health_interval_s"))
+    parser.add_argument(
+        "--health-timeouts-to-eject",
+        type=int,
+        default=env("health_timeouts_to_eject"),
+        help="consecutive timed-out health checks that mark a worker unhealthy (default 3)",
+    )
     parser.add_argument("--default-max-tokens", type=int, default=env("default_max_tokens"), help="for chat requests")
     parser.add_argument(
         "--max-model-len", type=int, default=env("max_model_len"), help="context length (0: verifier's)"

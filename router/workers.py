@@ -5,7 +5,8 @@ Each worker has one channel; the calls of every session go in one ``Batch`` RPC 
 :mod:`router.errors` types, classified here from its status code, and nothing else about gRPC leaves this
 module. The pool chooses the healthy worker with the least outstanding sequences (ties: the one chosen least
 often), learns each drafter's kind from its ``Status`` and checks ``grpc.health.v1`` every
-``health_interval_s``; a worker that fails a call is skipped until its health check passes again.
+``health_interval_s``; a worker that fails a call, answers a check NOT_SERVING or cannot be reached is skipped
+until a check passes again, one whose checks time out only after ``health_timeouts_to_eject`` in a row.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Worker:
     outstanding: int = 0
     chosen: int = 0
     kind: str | None = None  # drafters: ngram, model or early-exit, once known
+    health_timeouts: int = 0  # consecutive health checks that timed out
 
     async def call(self, method: Callable[..., Awaitable[T]], request: object, deadline_s: float | None = None) -> T:
         """``method(request)`` with the deadline; a failure becomes a WorkerError."""
@@ -326,6 +328,15 @@ class WorkerPool:
         except WorkerError as error:
             LOG.debug("health check of %s failed: %s", worker.address, error)
             serving = False
+            timed_out = error.code == grpc.StatusCode.DEADLINE_EXCEEDED.name
+        else:
+            timed_out = False
+        # A check that times out may only mean this router's event loop or the worker is busy: under load one
+        # late answer must not take a healthy worker out of rotation. NOT_SERVING and refused connections
+        # (a draining or dead worker) count at once.
+        worker.health_timeouts = worker.health_timeouts + 1 if timed_out else 0
+        if timed_out and worker.health_timeouts < self.config.health_timeouts_to_eject:
+            return
         if serving != worker.healthy:
             LOG.info("%s %s is %s", worker.role, worker.address, "healthy" if serving else "unhealthy")
         worker.healthy = serving

@@ -1,0 +1,77 @@
+"""The router's health checks: when a worker leaves rotation and when it comes back.
+
+A real ``grpc.aio`` server answers ``grpc.health.v1`` Check as a test sets it: SERVING, NOT_SERVING, or too
+late for the check's deadline. The pool is the router's own (:class:`router.workers.WorkerPool`); its
+background loop is set far apart, and the test runs each round of checks itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.config import RouterConfig
+from router.workers import WorkerPool
+
+DEADLINE_S = 0.2
+
+
+class SettableHealth(health_pb2_grpc.HealthServicer):
+    """Answers Check with ``status``, or after twice the router's deadline when ``late``."""
+
+    def __init__(self) -> None:
+        self.status = health_pb2.HealthCheckResponse.SERVING
+        self.late = False
+
+    async def Check(self, request, context) -> health_pb2.HealthCheckResponse:
+        if self.late:
+            await asyncio.sleep(2 * DEADLINE_S)
+        return health_pb2.HealthCheckResponse(status=self.status)
+
+
+async def _health_rounds() -> list[bool]:
+    health = SettableHealth()
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = RouterConfig(
+        model="m",
+        verifiers=(f"127.0.0.1:{port}",),
+        verifier_deadline_s=DEADLINE_S,
+        health_interval_s=3600,
+        health_timeouts_to_eject=3,
+    )
+    pool = await WorkerPool.start(config)
+    [worker] = pool.workers()
+    seen = [worker.healthy]
+
+    async def check() -> None:
+        await pool.check_health()
+        seen.append(worker.healthy)
+
+    try:
+        health.late = True
+        for _ in range(3):  # two late answers keep it; the third in a row takes it out
+            await check()
+        health.late = False
+        await check()  # one answer in time brings it back
+        health.late = True
+        await check()  # and the count starts again
+        health.late = False
+        health.status = health_pb2.HealthCheckResponse.NOT_SERVING
+        await check()  # a worker that says it is not serving (draining) leaves at once
+        health.status = health_pb2.HealthCheckResponse.SERVING
+        await check()
+        await server.stop(0)
+        await check()  # nothing listening: leaves at once
+    finally:
+        await pool.close()
+        await server.stop(0)
+    return seen
+
+
+def test_timeouts_eject_only_in_a_row_and_refusals_at_once() -> None:
+    assert asyncio.run(_health_rounds()) == [True, True, True, False, True, True, False, True, False]
