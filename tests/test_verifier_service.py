@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec_wire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 from grpc_common.convert import proposal_to_wire, sampling_to_wire
+from grpc_common.memory import IdleTrim
 from specdec.drafters.base import Proposal
 from specdec.errors import CapacityError, InvalidArgumentError
 from specdec.models import LoadedModel
@@ -458,6 +459,19 @@ def test_batch_window_gathers_late_calls_and_never_delays_a_lone_sequence(target
     full.stop()
 
 
+def test_idle_trim_runs_once_the_scheduler_goes_idle(target) -> None:
+    trimmed = threading.Event()
+    scheduler = VerifyScheduler(
+        BatchVerifier(KVRunner(target.model)), max_batch_size=8, max_queued=8, idle_trim=IdleTrim(0.01, trimmed.set)
+    )
+    scheduler.start()
+    scheduler.open("a", [1, 2], GREEDY, 0, 4, frozenset(), True, False).result(TIMEOUT_S)
+    assert scheduler.verify(VerifyCall("a", Proposal(TokenTree.chain([3]), None))).result(TIMEOUT_S).verdict.emitted
+    assert trimmed.wait(TIMEOUT_S), "no job for idle_s after work: trim"
+    assert scheduler.status().result(TIMEOUT_S).verify_calls == 1, "the scheduler serves on after a trim"
+    scheduler.stop()
+
+
 def test_config_from_args_and_env() -> None:
     config = VerifierConfig.from_args(
         ["--port", "5050", "--max-batch-size", "4"], {"SPECDEC_VERIFIER_MODEL": "m", "SPECDEC_VERIFIER_PORT": "1"}
@@ -469,6 +483,11 @@ def test_config_from_args_and_env() -> None:
     assert VerifierConfig.from_args(["--batch-wait-ms", "0"], {}).batch_wait_ms == 0
     with pytest.raises(ValueError, match="batch_wait_ms"):
         VerifierConfig(batch_wait_ms=-1)
+    assert VerifierConfig().malloc_trim_idle_s == 1.0
+    assert VerifierConfig.from_args(["--malloc-trim-idle-s", "0"], {}).malloc_trim_idle_s == 0
+    assert VerifierConfig.from_args([], {"SPECDEC_VERIFIER_MALLOC_TRIM_IDLE_S": "2.5"}).malloc_trim_idle_s == 2.5
+    with pytest.raises(ValueError, match="malloc_trim_idle_s"):
+        VerifierConfig(malloc_trim_idle_s=-1)
 
 
 def test_module_entry_point_serves_and_stops_on_sigterm(tmp_path: Path, target) -> None:

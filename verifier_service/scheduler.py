@@ -25,6 +25,9 @@ The batch can grow while it is below ``max_batch_size`` and some open sequence h
 scheduler cannot see a sequence busy elsewhere (at the drafter, in the router), so the window bounds the wait
 for it; a lone open sequence, or a batch holding every open sequence, is never delayed.
 
+With ``idle_trim`` the scheduler, once it has waited that long for a job after some work, returns the heap memory
+that forwards freed to the OS (:mod:`grpc_common.memory`: glibc keeps it otherwise, and the idle RSS creeps up).
+
 The scheduler records the service's metrics (:class:`~verifier_service.metrics.VerifierMetrics`): batch sizes
 and forward times as batches run, queued calls as they come and go, open sequences after each set of jobs.
 """
@@ -40,6 +43,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from grpc_common.memory import IdleTrim
 from specdec.errors import CapacityError, SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.verification import BatchVerifier, PrefillChunk, SequenceNotFoundError, VerifyCall, VerifyOutcome
@@ -85,7 +89,8 @@ class VerifyScheduler:
     """Serialises every call on ``verifier`` onto one thread and batches Verify calls.
 
     At most ``max_queued`` Verify calls wait at once; beyond that :meth:`verify` raises CapacityError.
-    ``metrics`` (default: a fresh, unserved set) receives the scheduler's series.
+    ``metrics`` (default: a fresh, unserved set) receives the scheduler's series. ``idle_trim`` (None: never)
+    releases freed memory when the scheduler goes idle.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class VerifyScheduler:
         batch_wait_s: float = 0.0,
         max_batch_tokens: int | None = None,
         metrics: VerifierMetrics | None = None,
+        idle_trim: IdleTrim | None = None,
     ) -> None:
         self.verifier = verifier
         self.metrics = VerifierMetrics() if metrics is None else metrics
@@ -104,6 +110,7 @@ class VerifyScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.batch_wait_s = batch_wait_s
         self.max_queued = max_queued
+        self._idle_trim = idle_trim
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _queued and _stopped
         self._queued = 0
@@ -208,7 +215,10 @@ class VerifyScheduler:
         """Every job queued. With no call carried over, block for one job, then after a Verify wait up to
         ``batch_wait_s`` for more while the batch can still grow; with carried calls, wait for nothing: their
         prompts' next chunks go on at once."""
-        jobs = [] if self._carried else [self._queue.get()]
+        if self._carried:
+            jobs = []
+        else:
+            jobs = [self._queue.get() if self._idle_trim is None else self._idle_trim.get(self._queue)]
         deadline = None  # set by the first Verify taken
         while not jobs or jobs[-1] is not _STOP:
             if deadline is None and not self._carried and isinstance(jobs[-1], _VerifyJob):

@@ -10,6 +10,7 @@ import logging
 import torch
 from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
 
+from grpc_common.memory import IdleTrim, glibc_malloc_trim
 from grpc_common.server import RunningService, start_service
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
@@ -49,6 +50,7 @@ def serve(config: VerifierConfig, runner: Runner, model: LoadedModel) -> Running
         max_queued=config.max_sequences,
         batch_wait_s=config.batch_wait_ms / 1000,
         metrics=metrics,
+        idle_trim=IdleTrim(config.malloc_trim_idle_s, glibc_malloc_trim()),
     )
     scheduler.start()
     servicer = VerifierServicer(

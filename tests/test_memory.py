@@ -1,0 +1,45 @@
+"""The idle trim of :mod:`grpc_common.memory`: when it calls ``trim`` and what it returns, on a plain queue."""
+
+from __future__ import annotations
+
+import platform
+import queue
+
+from grpc_common.memory import IdleTrim, glibc_malloc_trim
+
+
+def test_trims_once_per_lull_after_work() -> None:
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    trims = []
+
+    def trim() -> None:  # the next job arrives during the trim, so get() returns without a real wait
+        trims.append(len(trims))
+        jobs.put(f"after trim {len(trims)}")
+
+    idle = IdleTrim(0.01, trim)
+    jobs.put("first")
+    jobs.put("second")
+    assert [idle.get(jobs), idle.get(jobs)] == ["first", "second"]
+    assert trims == [], "jobs were waiting: no trim"
+    assert idle.get(jobs) == "after trim 1"  # the queue stayed empty for idle_s after work
+    assert idle.get(jobs) == "after trim 2"  # the job taken in between counts as work
+    assert trims == [0, 1]
+
+
+def test_disabled_without_idle_time_or_trim() -> None:
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    trims = []
+    for idle in (IdleTrim(0, lambda: trims.append(0)), IdleTrim(0.01, None)):
+        jobs.put("a")
+        jobs.put("b")
+        assert [idle.get(jobs), idle.get(jobs)] == ["a", "b"]
+        assert idle.trim is None
+    assert trims == []
+
+
+def test_glibc_malloc_trim_is_callable_on_glibc() -> None:
+    trim = glibc_malloc_trim()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert trim is not None and trim() in (0, 1)  # 1: some memory was released
+    else:
+        assert trim is None
