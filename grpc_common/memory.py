@@ -9,6 +9,12 @@ mmap threshold (``MALLOC_MMAP_THRESHOLD_=131072``) keeps RSS flat too, but every
 page faults and munmap: the same forwards took 25% longer. ``malloc_trim(0)`` returns every arena's free pages in a
 few milliseconds, so it runs once the scheduler has had no job for a while (never between the rounds of a busy
 sequence, whose next call arrives within milliseconds) and costs a call arriving meanwhile at most that long.
+
+Trimming returns free pages only. Once a long prompt has raised glibc's threshold, blocks of 16-32 MiB (attention
+scores of a prefill chunk over a long context) come from the heap arenas too, and the live allocations placed around
+them after that keep about 30-40 MiB of pages pinned: the trimmed idle RSS stepped up at the first long prompt of
+the soak and stayed there. A threshold fixed at 16 MiB keeps those blocks mmapped (returned on free) and flattened
+that step in ``bench.verifier_memory``-style runs, at about 3% of forward time (a 128 KiB threshold cost 25%).
 """
 
 from __future__ import annotations
@@ -29,6 +35,20 @@ def glibc_malloc_trim() -> Callable[[], object] | None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: trim(0)
+
+
+M_MMAP_THRESHOLD = -3  # mallopt parameter number, glibc's <malloc.h>
+
+
+def fix_glibc_mmap_threshold(size_bytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``size_bytes`` for this process (no dynamic raise); False where not glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, size_bytes) == 1
 
 
 class IdleTrim:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import platform
 import queue
+import subprocess
+import sys
 
 from grpc_common.memory import IdleTrim, glibc_malloc_trim
 
@@ -43,3 +45,10 @@ def test_glibc_malloc_trim_is_callable_on_glibc() -> None:
         assert trim is not None and trim() in (0, 1)  # 1: some memory was released
     else:
         assert trim is None
+
+
+def test_mmap_threshold_is_set_on_glibc() -> None:
+    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    code = "from grpc_common.memory import fix_glibc_mmap_threshold as f; print(f(16 << 20))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)  # process-wide
+    assert done.stdout.strip() == str(on_glibc)

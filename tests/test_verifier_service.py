@@ -484,6 +484,8 @@ def test_config_from_args_and_env() -> None:
     with pytest.raises(ValueError, match="batch_wait_ms"):
         VerifierConfig(batch_wait_ms=-1)
     assert VerifierConfig().malloc_trim_idle_s == 1.0
+    assert VerifierConfig().malloc_mmap_threshold_mb == 16
+    assert VerifierConfig.from_args(["--malloc-mmap-threshold-mb", "0"], {}).malloc_mmap_threshold_mb == 0
     assert VerifierConfig.from_args(["--malloc-trim-idle-s", "0"], {}).malloc_trim_idle_s == 0
     assert VerifierConfig.from_args([], {"SPECDEC_VERIFIER_MALLOC_TRIM_IDLE_S": "2.5"}).malloc_trim_idle_s == 2.5
     with pytest.raises(ValueError, match="malloc_trim_idle_s"):

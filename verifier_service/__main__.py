@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from grpc_common.memory import fix_glibc_mmap_threshold
 from specdec.errors import SpecdecError
 from specdec.runner import KVRunner
 from verifier_service.config import VerifierConfig
@@ -40,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = VerifierConfig.from_args(argv)
+        if config.malloc_mmap_threshold_mb:  # process-wide, before the model's allocations
+            fix_glibc_mmap_threshold(config.malloc_mmap_threshold_mb << 20)
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         if config.world_size > 1:

@@ -39,6 +39,8 @@ class VerifierConfig:
     is not glibc): without it glibc keeps what bursts of long prompts freed and the idle RSS creeps up (+100-160 MiB
     over 200 requests of ``python -m bench.verifier_memory``, flat with it). A trim takes a few milliseconds; 1 s is
     far longer than the gap between two rounds of a busy sequence, so trims only run in lulls.
+    ``malloc_mmap_threshold_mb`` (0: glibc's own, which rises with the largest block freed) fixes the size from
+    which the process's allocations are mmapped, so that large blocks never pin heap pages (same module).
     """
 
     model: str = "smollm2-135m"
@@ -57,6 +59,7 @@ class VerifierConfig:
     torch_threads: int = 0
     grace_s: float = 5.0
     malloc_trim_idle_s: float = 1.0
+    malloc_mmap_threshold_mb: int = 16
     world_size: int = 1
     rank: int = 0
 
@@ -71,7 +74,15 @@ class VerifierConfig:
         for name in ("max_batch_size", "max_batch_tokens", "max_sequences", "max_message_bytes", "world_size"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("batch_wait_ms", "max_seq_len", "max_workers", "torch_threads", "grace_s", "malloc_trim_idle_s"):
+        for name in (
+            "batch_wait_ms",
+            "max_seq_len",
+            "max_workers",
+            "torch_threads",
+            "grace_s",
+            "malloc_trim_idle_s",
+            "malloc_mmap_threshold_mb",
+        ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
 
@@ -114,6 +125,7 @@ class VerifierConfig:
         option("torch_threads", int, "torch intra-op threads (0: torch's default)")
         option("grace_s", float, "seconds in-flight calls get to finish on SIGTERM")
         option("malloc_trim_idle_s", float, "idle seconds before freed memory goes back to the OS (0: never)")
+        option("malloc_mmap_threshold_mb", int, "allocations from this size are mmapped (0: glibc's dynamic default)")
         option("world_size", int, "tensor-parallel ranks", env_name="WORLD_SIZE")
         option("rank", int, "this process's rank (0 serves gRPC)", env_name="RANK")
         return cls(**vars(parser.parse_args(argv)))
