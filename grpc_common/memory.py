@@ -26,15 +26,20 @@ from collections.abc import Callable
 from typing import Any
 
 
-def glibc_malloc_trim() -> Callable[[], object] | None:
-    """``malloc_trim(0)`` of glibc as a callable; None where the C library is not glibc (macOS, musl, Windows)."""
+def _glibc(name: str, argtypes: list[type]) -> Any:
+    """The C library's function ``name`` where that library is glibc, else None (macOS, musl, Windows)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is None:
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return lambda: trim(0)
+    function = getattr(ctypes.CDLL(None), name, None)
+    if function is not None:
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
+
+
+def glibc_malloc_trim() -> Callable[[], object] | None:
+    """``malloc_trim(0)`` of glibc as a callable; None where the C library is not glibc."""
+    trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    return None if trim is None else lambda: trim(0)
 
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter number, glibc's <malloc.h>
@@ -42,13 +47,8 @@ M_MMAP_THRESHOLD = -3  # mallopt parameter number, glibc's <malloc.h>
 
 def fix_glibc_mmap_threshold(size_bytes: int) -> bool:
     """Fix glibc's mmap threshold at ``size_bytes`` for this process (no dynamic raise); False where not glibc."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, size_bytes) == 1
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, size_bytes) == 1
 
 
 class IdleTrim:
