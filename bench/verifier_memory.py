@@ -39,6 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,6 +75,20 @@ class _Request:
     cancel_at: int | None = None  # completions count at which the cancel-marked request is closed
     future: Future | None = None
     first: bool = True
+
+
+def relay_verdict(result: Future) -> Callable[[Any], None]:
+    """A done-callback for a Verify future (in-process or gRPC) that settles ``result`` with (emitted, finished)."""
+
+    def done(call: Any) -> None:
+        error = call.exception()
+        if error is not None:
+            result.set_exception(error)
+        else:
+            verdict = call.result().verdict
+            result.set_result((list(verdict.emitted), verdict.finished))
+
+    return done
 
 
 @dataclass
@@ -121,16 +136,7 @@ def inproc_backend(args: argparse.Namespace) -> Backend:
 
     def verify(sequence_id: str, proposal: Proposal) -> Future:
         result: Future = Future()
-
-        def done(future: Future) -> None:
-            error = future.exception()
-            if error is not None:
-                result.set_exception(error)
-            else:
-                verdict = future.result().verdict
-                result.set_result((list(verdict.emitted), verdict.finished))
-
-        scheduler.verify(VerifyCall(sequence_id, proposal, defer_bonus=True)).add_done_callback(done)
+        scheduler.verify(VerifyCall(sequence_id, proposal, defer_bonus=True)).add_done_callback(relay_verdict(result))
         return result
 
     def idle() -> dict:
@@ -190,16 +196,7 @@ def grpc_backend(args: argparse.Namespace) -> Backend:
         request = verifier_pb2.VerifyRequest(
             sequence_id=sequence_id, proposal=proposal_to_wire(proposal), defer_bonus=True
         )
-
-        def done(call: grpc.Future) -> None:
-            error = call.exception()
-            if error is not None:
-                result.set_exception(error)
-            else:
-                verdict = call.result().verdict
-                result.set_result((list(verdict.emitted), verdict.finished))
-
-        stub.Verify.future(request, timeout=600).add_done_callback(done)
+        stub.Verify.future(request, timeout=600).add_done_callback(relay_verdict(result))
         return result
 
     def close(sequence_id: str) -> None:
