@@ -2,6 +2,7 @@
 
 Counts, models and the drafter kind come from flags or one TOML file (``--config``) whose keys
 are the :class:`~launcher.cluster.Deployment` field names (``num_drafters = 2``); flags win.
+The commands plug into ``specdec`` through the ``specdec.commands`` entry point :func:`register`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -24,7 +26,8 @@ UP_TIMEOUT_S = 900
 DOWN_TIMEOUT_S = 120
 
 
-def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add ``up``, ``status`` and ``down``; return their run functions (a :data:`specdec.cli.Register`)."""
     up = subparsers.add_parser("up", help="start router, drafters and verifiers on Ray, return when all serve")
     up.add_argument("--address", help="existing Ray cluster (default: start a local one)")
     up.add_argument("--config", type=Path, help="TOML file with any of the options below")
@@ -46,6 +49,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     status = subparsers.add_parser("status", help="addresses and health of what `up` started")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     subparsers.add_parser("down", help="stop everything `up` started")
+    return {"up": _run_up, "status": _run_status, "down": _run_down}
 
 
 def deployment_from(args: argparse.Namespace) -> Deployment:
@@ -115,20 +119,24 @@ def down(path: Path) -> None:
         path.unlink()
 
 
-def run(args: argparse.Namespace) -> int:
-    path = state_file()
-    if args.command == "up":
-        print(json.dumps(up(args, path)))
-    elif args.command == "status":
-        report = status(path)
-        if args.json:
-            print(json.dumps(report))
-        else:
-            router = report["router"]
-            metrics = router.get("metrics", "")
-            print(f"router    gRPC {router['grpc']}  HTTP {router['http']}  {router['health']}  {metrics}")
-            for worker in report["workers"]:
-                print(f"{worker['role']:<9} {worker['address']}  {worker['health']}  {worker.get('metrics', '')}")
-    else:
-        down(path)
+def _run_up(args: argparse.Namespace) -> int:
+    print(json.dumps(up(args, state_file())))
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    report = status(state_file())
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    router = report["router"]
+    metrics = router.get("metrics", "")
+    print(f"router    gRPC {router['grpc']}  HTTP {router['http']}  {router['health']}  {metrics}")
+    for worker in report["workers"]:
+        print(f"{worker['role']:<9} {worker['address']}  {worker['health']}  {worker.get('metrics', '')}")
+    return 0
+
+
+def _run_down(args: argparse.Namespace) -> int:
+    down(state_file())
     return 0

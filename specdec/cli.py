@@ -1,6 +1,11 @@
 """``specdec`` command line: ``specdec generate PROMPT`` runs the co-located engine, or with ``--router HOST:PORT``
 sends the request to a router through the client SDK (:mod:`specdec.client`); both print the same ``--json``
-object. The SDK, and with it gRPC, is imported only for ``--router``."""
+object. The SDK, and with it gRPC, is imported only for ``--router``.
+
+The core's own subcommands are registered by :func:`register_core_commands`; the others (``bench``, ``up`` /
+``status`` / ``down``) live in packages layered above the core, which must not import them (DESIGN §10), so they
+plug in as entry points of the group :data:`COMMANDS_GROUP`: each names a :data:`Register` function.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +13,25 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
 
 from transformers.utils import logging as transformers_logging
 
-from bench.load import cli as bench_cli
-from launcher import cli as launcher_cli
 from specdec.drafters import DRAFTER_KINDS, DraftConfig, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
 from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
+
+COMMANDS_GROUP = "specdec.commands"
+
+Run = Callable[[argparse.Namespace], int]
+"""Runs one parsed subcommand; returns the process exit status."""
+
+Register = Callable[[argparse._SubParsersAction], Mapping[str, Run]]
+"""Adds a plugin's subparsers and returns the run function of each subcommand it added, by name."""
 
 
 def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -200,20 +213,33 @@ def quiet_model_loading() -> None:
     transformers_logging.set_verbosity_error()
 
 
-def main(argv: list[str] | None = None) -> int:
+def register_core_commands(subparsers: argparse._SubParsersAction) -> dict[str, Run]:
+    """The subcommands of the core library itself (a :data:`Register`)."""
+    _generate_parser(subparsers)
+    return {"generate": _run_generate}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Run]]:
+    """The ``specdec`` parser with the core's and every installed plugin's subcommands, and their run functions.
+
+    Plugins register in entry-point name order, so ``--help`` lists them the same way on every install; a
+    subcommand name taken twice fails in argparse ("conflicting subparser") rather than shadowing silently.
+    """
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _generate_parser(subparsers)
-    launcher_cli.add_parsers(subparsers)
-    bench_cli.add_parser(subparsers)
+    commands = register_core_commands(subparsers)
+    for plugin in sorted(entry_points(group=COMMANDS_GROUP), key=lambda point: point.name):
+        register: Register = plugin.load()
+        commands.update(register(subparsers))
+    return parser, commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
     args = parser.parse_args(argv)
     quiet_model_loading()
     try:
-        if args.command == "generate":
-            return _run_generate(args)
-        if args.command == "bench":
-            return bench_cli.run(args)
-        return launcher_cli.run(args)
+        return commands[args.command](args)
     except (SpecdecError, OSError, RuntimeError, ValueError) as error:
         message = " ".join(str(error).split()) if args.command == "generate" else str(error)
         print(f"specdec: error: {message}", file=sys.stderr)

@@ -5,7 +5,8 @@
 
 Without ``--router`` / ``--base-url`` it finds the router of ``specdec up`` (its state file); with ``--simulate``
 it starts a router over simulated workers (:mod:`bench.load.simulate`) for the run and stops it afterwards.
-Only argparse is imported here: gRPC, aiohttp and matplotlib load inside :func:`run`.
+Only argparse is imported here: gRPC, aiohttp and matplotlib load inside :func:`run`. The command plugs into
+``specdec`` through the ``specdec.commands`` entry point :func:`register`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,9 @@ def _names(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``bench`` (its ``--sim-*`` options come from :mod:`bench.load.simulate`)."""
+def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add ``bench`` and return its run function (a :data:`specdec.cli.Register`); the ``--sim-*`` options come
+    from :mod:`bench.load.simulate`."""
     from bench.load.simulate import add_simulation_arguments
 
     parser = subparsers.add_parser("bench", help="load-test the router (open or closed loop, sweeps, reports)")
@@ -84,6 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--no-progress", action="store_true")
     add_simulation_arguments(parser)
+    return {"bench": run}
 
 
 def _check(args: argparse.Namespace) -> None:
