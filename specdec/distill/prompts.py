@@ -1,0 +1,49 @@
+"""The prompt set for self-distilling an EAGLE draft head from the target model (SmolLM2-135M-Instruct).
+
+``prompts.jsonl`` holds about 4400 chat conversations written for this project, in eight roughly balanced categories
+(chat, code, maths, lists, rewrite, summarise, qa, multi-turn). Each row's last message is a user turn: the target model
+answers it, and the draft head is trained on those answers. A ``heldout`` split of 30 rows per category measures the
+trained head's acceptance rate on prompts it was not trained on; no held-out user text equals a training one, and no
+row equals or reuses a sentence of the benchmark prompts in ``bench/prompts/``.
+
+The file is generated, never edited by hand: ``python -m specdec.distill.make_prompts`` rewrites it byte-identically.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.errors import InvalidArgumentError
+
+PROMPT_SET_PATH = Path(__file__).with_name("prompts.jsonl")
+SPLITS = ("train", "heldout")
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    id: str
+    category: str
+    split: str
+    messages: tuple[dict[str, str], ...]
+
+
+def load_prompt_set(split: str | None = None, path: Path | None = None) -> list[PromptRecord]:
+    """Rows of the prompt set in file order; ``split`` keeps only ``"train"`` or ``"heldout"`` rows (None: all)."""
+    if split is not None and split not in SPLITS:
+        raise InvalidArgumentError("split", f"unknown split {split!r}; expected one of {', '.join(SPLITS)} or None")
+    records = []
+    with (path or PROMPT_SET_PATH).open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if split is None or row["split"] == split:
+                records.append(
+                    PromptRecord(
+                        id=row["id"],
+                        category=row["category"],
+                        split=row["split"],
+                        messages=tuple(dict(m) for m in row["messages"]),
+                    )
+                )
+    return records
