@@ -1,26 +1,25 @@
-"""One thread owns the drafter; Propose calls from many sequences that wait together run as one batch.
+"""The drafter's scheduler: one thread owns the drafter; Propose calls from many sequences that wait together run
+as one ``drafter.propose`` call.
 
-gRPC handlers never touch the drafter: they submit a job and wait on its Future. The scheduler thread
-takes every job queued (waiting up to ``batch_wait_s`` after a Propose for more), gathers the Propose
-jobs into one ``drafter.propose`` call (at most ``max_batch_size``, one per sequence) and runs
-OpenSequence / Commit / CloseSequence jobs in between, so the drafter and all torch work stay on one
-thread. Jobs of one sequence run in arrival order: a batch is flushed before a job for a sequence it
-already holds. A job whose caller has gone (its Future cancelled) before it starts is skipped and has
-no effect. The scheduler records the service's metrics (:class:`~drafter_service.metrics.DrafterMetrics`).
+The machinery (queue, thread, per-sequence order, cancelled jobs skipped, the batch window up to ``batch_wait_s``,
+stop: later calls fail with :class:`~grpc_common.scheduler.SchedulerStoppedError`) is the shared
+:class:`~grpc_common.scheduler.BatchScheduler`; here are what a Propose batch is (at most ``max_batch_size``
+sequences: each open and, when asked, assumed accepted, then one drafter call, retried job by job if it fails), the
+OpenSequence / Commit / CloseSequence / Status jobs run between batches, and the service's metrics
+(:class:`~drafter_service.metrics.DrafterMetrics`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from drafter_service.metrics import DrafterMetrics
+from grpc_common.scheduler import BatchJob, BatchScheduler
 from specdec.drafters import DraftConfig, Drafter
 from specdec.errors import CapacityError, InvalidArgumentError
 from specdec.sampling import SamplingParams, make_generator
@@ -40,34 +39,20 @@ class SchedulerStatus:
 
 
 @dataclass(frozen=True)
-class _Job:
-    """Any call but Propose; ``sequence_id`` (empty: none) orders it against a pending batch."""
-
-    sequence_id: str
-    run: Callable[[], Any]
-    future: Future
-
-
-@dataclass(frozen=True)
-class _ProposeJob:
-    sequence_id: str
+class _Propose:
     max_tokens: int
     assume_previous_accepted: bool
-    future: Future  # -> (Proposal, draft_ns)
 
 
 class _Ready(NamedTuple):
     """A Propose job whose sequence is open (and assumed, when asked), waiting for the drafter call."""
 
-    job: _ProposeJob
+    job: BatchJob[_Propose]  # -> (Proposal, draft_ns)
     handle: int
     assume_ns: int
 
 
-_STOP = object()
-
-
-class DraftScheduler:
+class DraftScheduler(BatchScheduler[_Propose]):
     """Serialises every call on ``drafter`` onto one thread and batches Propose calls.
 
     ``metrics`` (default: a fresh, unserved set) receives the scheduler's series.
@@ -82,32 +67,12 @@ class DraftScheduler:
         max_open_sequences: int = 4096,
         metrics: DrafterMetrics | None = None,
     ) -> None:
+        super().__init__("drafter", max_batch_size=max_batch_size, batch_wait_s=batch_wait_s)
         self.drafter = drafter
         self.metrics = DrafterMetrics() if metrics is None else metrics
-        self.max_batch_size = max_batch_size
-        self.batch_wait_s = batch_wait_s
         self.max_open_sequences = max_open_sequences
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[str, int] = {}  # sequence id -> drafter handle; scheduler thread only
         self._proposals = self._batches = self._max_batch = 0
-        self._thread = threading.Thread(target=self._loop, name="drafter-scheduler", daemon=True)
-        self._lock = threading.Lock()  # orders _submit against stop: no job is queued after _STOP
-        self._stopped = False
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Run every job already queued, refuse new ones, then close every open sequence."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            self._queue.put(_STOP)  # the last item: _submit refuses jobs from now on
-        self._thread.join()
-        for handle in self._handles.values():
-            self.drafter.close(handle)
-        self._handles.clear()
 
     # --- called from handler threads; each returns a Future ---------------------------------------------------
 
@@ -126,21 +91,19 @@ class DraftScheduler:
                 )
             self._handles[sequence_id] = self.drafter.open(prompt, params, make_generator(seed), shape)
 
-        return self._submit(_Job(sequence_id, run, Future()))
+        return self.submit(sequence_id, run)
 
     def propose(self, sequence_id: str, max_tokens: int, assume_previous_accepted: bool) -> Future:
         """Candidates for ``sequence_id``, batched with other sequences'; -> ``(Proposal, draft_ns)``."""
         _check_id(sequence_id)
         if max_tokens < 0:
             raise InvalidArgumentError("max_tokens", f"must be >= 0, got {max_tokens}")
-        return self._submit(_ProposeJob(sequence_id, max_tokens, assume_previous_accepted, Future()))
+        return self.submit_batched(sequence_id, _Propose(max_tokens, assume_previous_accepted))
 
     def commit(self, sequence_id: str, base_length: int, emitted: list[int]) -> Future:
         """The committed text of ``sequence_id`` is now ``text[:base_length] + emitted``; -> None."""
         _check_id(sequence_id)
-        return self._submit(
-            _Job(sequence_id, lambda: self.drafter.sync(self._handle(sequence_id), base_length, emitted), Future())
-        )
+        return self.submit(sequence_id, lambda: self.drafter.sync(self._handle(sequence_id), base_length, emitted))
 
     def close(self, sequence_id: str) -> Future:
         """Free ``sequence_id`` (unknown ids are fine); -> None."""
@@ -150,7 +113,7 @@ class DraftScheduler:
             if handle is not None:
                 self.drafter.close(handle)
 
-        return self._submit(_Job(sequence_id, run, Future()))
+        return self.submit(sequence_id, run)
 
     def status(self) -> Future:
         """-> :class:`SchedulerStatus`."""
@@ -160,66 +123,29 @@ class DraftScheduler:
                 len(self._handles), self.drafter.runner_sequences, self._proposals, self._batches, self._max_batch
             )
 
-        return self._submit(_Job("", run, Future()))
-
-    def _submit(self, job: _Job | _ProposeJob) -> Future:
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError("the drafter scheduler is stopped")
-            self._queue.put(job)
-        return job.future
+        return self.submit("", run)
 
     # --- the scheduler thread -----------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            jobs = self._take()
-            if jobs[-1] is _STOP:
-                self._execute(jobs[:-1])
-                return
-            self._execute(jobs)
-            self.metrics.open_sequences.set(len(self._handles))
+    def _open_sequences(self) -> Collection[str]:
+        return self._handles.keys()
 
-    def _take(self) -> list:
-        """Block for one job, then take every job queued; after a Propose, wait up to ``batch_wait_s`` for more."""
-        jobs = [self._queue.get()]
-        deadline = time.monotonic() + self.batch_wait_s if isinstance(jobs[0], _ProposeJob) else 0.0
-        while jobs[-1] is not _STOP:
-            wait = deadline - time.monotonic()
-            proposes = sum(isinstance(job, _ProposeJob) for job in jobs)
-            try:
-                if wait > 0 and proposes < self.max_batch_size:
-                    jobs.append(self._queue.get(timeout=wait))
-                else:
-                    jobs.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return jobs
+    def _after_pass(self) -> None:
+        self.metrics.open_sequences.set(len(self._handles))
 
-    def _execute(self, jobs: list[_Job | _ProposeJob]) -> None:
-        """Run ``jobs``: Propose jobs gathered into batches, the others in order between them."""
-        batch: list[_ProposeJob] = []
-        for job in jobs:
-            in_batch = any(pending.sequence_id == job.sequence_id for pending in batch)
-            if in_batch or (isinstance(job, _ProposeJob) and len(batch) == self.max_batch_size):
-                self._run_batch(batch)
-                batch = []
-            if isinstance(job, _ProposeJob):
-                batch.append(job)
-            elif job.future.set_running_or_notify_cancel():
-                _settle(job.future, job.run)
-        self._run_batch(batch)
+    def _on_stop(self) -> None:
+        for handle in self._handles.values():
+            self.drafter.close(handle)
+        self._handles.clear()
 
-    def _run_batch(self, batch: list[_ProposeJob]) -> None:
-        """One ``drafter.propose`` for every live job of ``batch``; a failing batch is retried job by job."""
+    def _run_batch(self, jobs: list[BatchJob[_Propose]]) -> None:
+        """One ``drafter.propose`` for the jobs whose sequences are ready; a failing batch is retried job by job."""
         ready: list[_Ready] = []
-        for job in batch:
-            if not job.future.set_running_or_notify_cancel():
-                continue
+        for job in jobs:
             try:
                 started = time.perf_counter_ns()
                 handle = self._handle(job.sequence_id)
-                if job.assume_previous_accepted:
+                if job.item.assume_previous_accepted:
                     self.drafter.assume_accepted(handle)
                 ready.append(_Ready(job, handle, time.perf_counter_ns() - started))
             except Exception as error:
@@ -242,7 +168,9 @@ class DraftScheduler:
     def _propose(self, ready: list[_Ready]) -> None:
         """One drafter call for ``ready``; answers each job with its proposal and the call's duration."""
         started = time.perf_counter_ns()
-        proposals = self.drafter.propose([entry.handle for entry in ready], [entry.job.max_tokens for entry in ready])
+        proposals = self.drafter.propose(
+            [entry.handle for entry in ready], [entry.job.item.max_tokens for entry in ready]
+        )
         draft_ns = time.perf_counter_ns() - started
         self.metrics.batch_size.observe(len(ready))
         self.metrics.propose_seconds.observe(draft_ns / 1e9)
@@ -264,11 +192,3 @@ class DraftScheduler:
 def _check_id(sequence_id: str) -> None:
     if not sequence_id:
         raise InvalidArgumentError("sequence_id", "must not be empty")
-
-
-def _settle(future: Future, run: Callable[[], Any]) -> None:
-    """Run ``run`` and put its result or exception into the running ``future``."""
-    try:
-        future.set_result(run())
-    except Exception as error:
-        future.set_exception(error)

@@ -1,0 +1,296 @@
+"""The one batching scheduler of both worker kinds (DESIGN §10): one thread owns the model; jobs that wait together
+run as batches.
+
+gRPC handlers never touch the model: they submit a job and wait on its Future. A *plain* job (OpenSequence, Commit,
+CloseSequence, Status) is a function run on the scheduler thread; a *batched* job (Propose, Verify) is an item that
+a subclass runs together with other sequences' items in :meth:`BatchScheduler._run_batch`. The scheduler thread
+takes every job queued when it is free and runs them as one pass:
+
+- Jobs of one sequence run in arrival order: a pending batch is run before a job for a sequence it already holds,
+  so a batch holds one job per sequence, and at most ``max_batch_size`` jobs.
+- A job whose Future was cancelled (its caller has gone) before it starts is skipped and has no effect.
+- A plain job that raises fails its own Future only; a batch run fails what the subclass decides (each job's own
+  checks fail that job alone).
+- With a :class:`Budget`, a batch also holds at most ``limit`` of cost (the verifier's positions per forward). A job
+  that does not fit what the batch leaves is either *carried* (``Budget.carry`` says it can make progress on its
+  own: the verifier prefills its prompt a chunk at a time in the room batches leave), or runs in the next batch,
+  alone if it alone exceeds the limit. A carried job, and every later batched job of its sequence, waits in
+  ``_carried`` from pass to pass; each pass plans the carried jobs first, runs a batch even when only carried
+  work is left, and takes new jobs without blocking, so other sequences' batches go on meanwhile.
+- After the first batched job of a pass, the thread waits up to ``batch_wait_s`` for more while the batch can
+  still grow: it holds fewer than ``max_batch_size`` sequences and some open sequence has no job queued. The
+  scheduler cannot see a sequence busy elsewhere (at the other worker, in the router), so the window bounds the
+  wait for it; a lone open sequence, or a batch holding every open sequence, is never delayed.
+- With ``idle_trim`` the thread, once it has waited that long for a job after some work, returns the heap memory
+  the model's work freed to the OS (:mod:`grpc_common.memory`).
+- :meth:`BatchScheduler.stop` runs every job submitted before it and finishes the carried ones; later submissions
+  fail with :class:`SchedulerStoppedError`.
+
+Nothing here knows gRPC or a model: a subclass says what is batched, how a batch runs, and keeps its own metrics.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from grpc_common.memory import IdleTrim
+from specdec.errors import CapacityError, SpecdecError
+
+T = TypeVar("T")  # the item of a batched job
+
+
+class SchedulerStoppedError(SpecdecError):
+    """The worker is shutting down; the call was not run (mapped to UNAVAILABLE by the servicer)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A plain job: ``run`` on the scheduler thread; ``sequence_id`` (empty: none) orders it against a batch."""
+
+    sequence_id: str
+    run: Callable[[], Any]
+    future: Future
+
+
+@dataclass(frozen=True)
+class BatchJob(Generic[T]):
+    """A batched job: ``item`` of ``sequence_id``, run in a batch with other sequences' items."""
+
+    sequence_id: str
+    item: T
+    future: Future
+
+
+@dataclass(frozen=True)
+class Budget(Generic[T]):
+    """At most ``limit`` of ``cost(item)`` in one batch; ``carry(item)``: whether an item that does not fit can make
+    progress while carried over (it may raise: the error fails that job alone)."""
+
+    limit: int
+    cost: Callable[[T], int]
+    carry: Callable[[T], bool]
+
+
+_STOP = object()
+
+
+class BatchScheduler(ABC, Generic[T]):
+    """Serialises every job onto one thread named ``{name}-scheduler`` and batches the batched jobs.
+
+    At most ``max_queued`` batched jobs (None: no bound) wait at once; beyond that :meth:`submit_batched` raises
+    CapacityError. Call :meth:`start` once, :meth:`stop` when done.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        max_batch_size: int,
+        batch_wait_s: float = 0.0,
+        max_queued: int | None = None,
+        budget: Budget[T] | None = None,
+        idle_trim: IdleTrim | None = None,
+    ) -> None:
+        self.name = name
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.max_queued = max_queued
+        self.budget = budget
+        self._idle_trim = idle_trim
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _queued and _stopped: no job is queued after _STOP
+        self._queued = 0  # batched jobs submitted and not yet taken
+        self._stopped = False
+        # scheduler thread only: batched jobs taken but not answered, in arrival order; and, during a pass, the
+        # sequences whose first carried job makes progress on its own, in arrival order
+        self._carried: list[BatchJob[T]] = []
+        self._carrying: list[str] = []
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Run every job submitted before, fail later ones (SchedulerStoppedError), then :meth:`_on_stop`."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._queue.put(_STOP)  # the last item
+        self._thread.join()
+        self._on_stop()
+
+    # --- called from handler threads; each returns a Future -------------------------------------------------------
+
+    def submit(self, sequence_id: str, run: Callable[[], Any]) -> Future:
+        """Queue a plain job; -> ``run()``'s result (or its error)."""
+        return self._put(Job(sequence_id, run, Future()))
+
+    def submit_batched(self, sequence_id: str, item: T) -> Future:
+        """Queue ``item`` for a batch; -> what :meth:`_run_batch` sets."""
+        return self._put(BatchJob(sequence_id, item, Future()))
+
+    def _put(self, job: Job | BatchJob[T]) -> Future:
+        """Queue ``job``; once stopping, its Future fails at once with SchedulerStoppedError."""
+        with self._lock:
+            if not self._stopped:
+                if isinstance(job, BatchJob):
+                    if self.max_queued is not None and self._queued >= self.max_queued:
+                        raise CapacityError(
+                            f"{self.max_queued} batched calls already wait on the {self.name}; retry shortly"
+                        )
+                    self._queued += 1
+                    self._waiting(self._queued)
+                self._queue.put(job)
+                return job.future
+        job.future.set_exception(SchedulerStoppedError(f"the {self.name} is shutting down"))
+        return job.future
+
+    # --- what a subclass says (called on the scheduler thread) ----------------------------------------------------
+
+    @abstractmethod
+    def _run_batch(self, jobs: list[BatchJob[T]]) -> None:
+        """Run ``jobs`` (running, one per sequence; possibly none while jobs are carried) and settle each Future."""
+
+    @abstractmethod
+    def _open_sequences(self) -> Collection[str]:
+        """The sequences open now (the batch window waits only while one of them has nothing queued)."""
+
+    def _ran(self, job: Job) -> None:
+        """After the plain ``job`` ran (or was skipped)."""
+
+    def _after_pass(self) -> None:
+        """After each pass of jobs but the last."""
+
+    def _on_stop(self) -> None:
+        """After the thread has finished its last job (free every sequence here)."""
+
+    def _waiting(self, queued: int) -> None:
+        """``queued`` batched jobs now wait (called under the submit lock)."""
+
+    def _fail_carried(self, sequence_id: str, error: Exception) -> None:
+        """Deliver ``error`` to every carried job of ``sequence_id`` and stop carrying it."""
+        self._carrying.remove(sequence_id)
+        kept = []
+        for job in self._carried:
+            if job.sequence_id != sequence_id:
+                kept.append(job)
+            elif job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+        self._carried = kept
+
+    # --- the scheduler thread ---------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            jobs = self._take()
+            stopping = bool(jobs) and jobs[-1] is _STOP  # nothing is submitted after it
+            self._run_pass(jobs[:-1] if stopping else jobs)
+            if stopping:
+                while self._carried:
+                    self._run_pass([])
+                return
+            self._after_pass()
+
+    def _take(self) -> list:
+        """Every job queued. With nothing carried, block for one job, then after a batched job wait up to
+        ``batch_wait_s`` for more while the batch can still grow; with carried jobs, wait for nothing."""
+        carrying = bool(self._carried)
+        jobs = [] if carrying else [self._queue.get() if self._idle_trim is None else self._idle_trim.get(self._queue)]
+        deadline = None  # set by the first batched job taken
+        while not jobs or jobs[-1] is not _STOP:
+            if deadline is None and not carrying and isinstance(jobs[-1], BatchJob):
+                deadline = time.monotonic() + self.batch_wait_s
+            wait = 0.0 if deadline is None else deadline - time.monotonic()
+            try:
+                if wait > 0 and self._can_grow(jobs):
+                    jobs.append(self._queue.get(timeout=wait))
+                else:
+                    jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return jobs
+
+    def _can_grow(self, jobs: list[Job | BatchJob[T]]) -> bool:
+        """Whether a batched job could still join the first batch of ``jobs``: it holds fewer than ``max_batch_size``
+        sequences and some open sequence has no job queued (a plain job queued orders its sequence's next batched
+        job after this batch)."""
+        batched = {job.sequence_id for job in jobs if isinstance(job, BatchJob)}
+        if len(batched) >= self.max_batch_size:
+            return False
+        busy = batched.union(job.sequence_id for job in jobs if isinstance(job, Job))
+        return any(sequence_id not in busy for sequence_id in self._open_sequences())
+
+    def _run_pass(self, jobs: list[Job | BatchJob[T]]) -> None:
+        """Run the carried jobs, then ``jobs``: plain jobs in order, batched ones gathered into batches."""
+        taken = sum(isinstance(job, BatchJob) for job in jobs)
+        if taken:
+            with self._lock:
+                self._queued -= taken
+                self._waiting(self._queued)
+        carried, self._carried, self._carrying = self._carried, [], []
+        batch: list[BatchJob[T]] = []
+        cost = 0
+        for job in [*carried, *jobs]:
+            if isinstance(job, Job):
+                if job.sequence_id and any(pending.sequence_id == job.sequence_id for pending in batch):
+                    self._flush(batch)
+                    batch, cost = [], 0
+                if job.future.set_running_or_notify_cancel():
+                    _settle(job.future, job.run)
+                self._ran(job)
+                continue
+            if job.future.cancelled():
+                continue
+            if job.sequence_id in self._carrying:  # behind its sequence's carried job
+                self._carried.append(job)
+                continue
+            if len(batch) == self.max_batch_size or any(pending.sequence_id == job.sequence_id for pending in batch):
+                self._flush(batch)
+                batch, cost = [], 0
+            job_cost = 0 if self.budget is None else self.budget.cost(job.item)
+            if self.budget is None or cost + job_cost <= self.budget.limit:
+                batch.append(job)
+                cost += job_cost
+            elif not self._carry(
+                job, self.budget
+            ):  # the job waits for the next batch, alone if it exceeds the budget alone
+                if batch:
+                    self._flush(batch)
+                batch, cost = [job], job_cost
+        if batch or self._carrying:
+            self._flush(batch)
+
+    def _carry(self, job: BatchJob[T], budget: Budget[T]) -> bool:
+        """Carry ``job`` over if ``budget`` says it can make progress; False: it cannot (and was left alone)."""
+        try:
+            if not budget.carry(job.item):
+                return False
+        except Exception as error:  # this job's own failure
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+            return True
+        self._carrying.append(job.sequence_id)
+        self._carried.append(job)
+        return True
+
+    def _flush(self, batch: list[BatchJob[T]]) -> None:
+        """Run the jobs of ``batch`` still wanted, if any or if carried work goes on."""
+        live = [job for job in batch if job.future.set_running_or_notify_cancel()]
+        if live or self._carrying:
+            self._run_batch(live)
+
+
+def _settle(future: Future, run: Callable[[], Any]) -> None:
+    """Run ``run`` and deliver its result or error to the running ``future`` (errors are the caller's to map)."""
+    try:
+        future.set_result(run())
+    except Exception as error:
+        future.set_exception(error)
