@@ -112,6 +112,7 @@ class Engine:
             request.max_tokens,
             self.eos_token_ids,
             ignore_eos=request.ignore_eos,
+            features=self.drafter is not None and self.drafter.feature_width > 0,
         )
         sequence = _Sequence(request, sequence_id, None)
         if self.drafter is not None:
@@ -143,6 +144,8 @@ class Engine:
             committed = time.perf_counter()
             if sequence.draft_handle is not None:
                 verdict = outcome.verdict
+                if outcome.features is not None:
+                    self.drafter.add_features(sequence.draft_handle, outcome.feature_start, outcome.features)
                 self.drafter.commit(sequence.draft_handle, verdict.accepted_path, verdict.emitted)
             self._record(sequence, proposal, outcome, drafted - started, time.perf_counter() - committed)
             if sequence.finish_reason is not None:

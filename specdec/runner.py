@@ -126,6 +126,7 @@ class KVRunner:
         self._head_dim, self._scale = attn.head_dim, attn.scaling
         self._qk_norm = hasattr(attn, "q_norm")
         self._vocab_size = int(config.vocab_size)
+        self._hidden_size = int(config.hidden_size)
         weight = self._embed.weight
         self._device, self._dtype = weight.device, weight.dtype
         with torch.inference_mode():  # local head counts from the projections' real output widths
@@ -139,6 +140,11 @@ class KVRunner:
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of a feature row (:meth:`forward_features`)."""
+        return self._hidden_size
 
     @property
     def num_open(self) -> int:
@@ -163,7 +169,6 @@ class KVRunner:
         """Number of committed positions (KV in place)."""
         return self._state(seq).length
 
-    @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem], *, all_logits: bool = False) -> list[torch.Tensor]:
         """Run pending tokens and trees of several sequences in one pass; write their K/V as scratch.
 
@@ -171,6 +176,20 @@ class KVRunner:
         per tree node; with ``all_logits`` ``[m + N, V]`` (a row per pending token too). An item without
         pending tokens gets ``[N, V]``, the node rows only.
         """
+        return self._forward(items, all_logits=all_logits, features=False)[0]
+
+    def forward_features(self, items: Sequence[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`forward`, plus per item the target's **features** ``[m + N, hidden]`` (float32): the final
+        norm's output at every pending token and tree node, the input of the LM head. An EAGLE drafter
+        (:mod:`specdec.drafters.eagle`) drafts from these; the logits are computed exactly as ``forward`` does.
+        """
+        logits, features = self._forward(items, all_logits=False, features=True)
+        return logits, features
+
+    @torch.inference_mode()
+    def _forward(
+        self, items: Sequence[ForwardItem], *, all_logits: bool, features: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         slots, tokens, positions = self._plan(items)
         for slot in slots:
             slot.state.scratch = None
@@ -188,7 +207,11 @@ class KVRunner:
         logits = self._lm_head(_rms_norm(selected, self._norm)).float()  # [rows, V]
         for slot, item in zip(slots, items, strict=True):
             slot.state.scratch = (len(item.pending), item.tree)
-        return list(logits.split([b - a for a, b in rows]))
+        feature_rows: list[torch.Tensor] = []
+        if features:  # RMSNorm is per row: normalising every row leaves the logits' rows unchanged
+            normed = _rms_norm(hidden, self._norm).float()
+            feature_rows = [normed[slot.row : slot.row + slot.size] for slot in slots]
+        return list(logits.split([b - a for a, b in rows])), feature_rows
 
     @torch.inference_mode()
     def commit(self, seq: int, num_pending: int, path: Sequence[int] = ()) -> None:

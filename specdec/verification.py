@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 import torch
@@ -67,6 +67,9 @@ class Runner(Protocol):
     def max_seq_len(self) -> int: ...
 
     @property
+    def hidden_size(self) -> int: ...
+
+    @property
     def num_open(self) -> int: ...
 
     def open(self) -> int: ...
@@ -76,6 +79,8 @@ class Runner(Protocol):
     def length(self, seq: int) -> int: ...
 
     def forward(self, items: Sequence[ForwardItem], *, all_logits: bool = False) -> list[torch.Tensor]: ...
+
+    def forward_features(self, items: Sequence[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
     def commit(self, seq: int, num_pending: int, path: Sequence[int] = ()) -> None: ...
 
@@ -106,6 +111,12 @@ class VerifyOutcome:
     for them) is ``log p(token)`` of each emitted token under the processed ``p`` row it was accepted or drawn
     at (0 under greedy, where ``p`` is one-hot). ``verify_s`` is the batch's target forward plus acceptance
     rule, ``commit_s`` its KV commits; ``batch_size`` counts the calls verified together.
+
+    ``features`` (when the sequence was opened with ``features``) [R, hidden] float32: the target's feature rows
+    (:meth:`~specdec.runner.KVRunner.forward_features`) of the positions ``feature_start .. feature_start + R - 1``
+    that got KV since the last outcome: prompt chunks, the pending token, the accepted nodes. After every outcome
+    the rows sent cover every position with KV: all committed text but its last token (or all of it, when the
+    bonus was deferred).
     """
 
     verdict: Verdict
@@ -115,6 +126,8 @@ class VerifyOutcome:
     verify_s: float
     commit_s: float
     batch_size: int
+    features: torch.Tensor | None = None
+    feature_start: int = 0
 
 
 @dataclass
@@ -134,6 +147,9 @@ class _Sequence:
     pending: list[int]
     root_row: torch.Tensor | None = None  # [V] kept row at the last committed token: logits (greedy) or p
     finish_reason: FinishReason | None = None
+    want_features: bool = False
+    unsent_features: list[torch.Tensor] = field(default_factory=list)  # rows with KV not yet in an outcome
+    features_sent: int = 0  # position of the next feature row an outcome carries
 
 
 @dataclass
@@ -146,6 +162,7 @@ class _Job:
     runner_seq: int
     num_pending: int
     rows: torch.Tensor | None = None  # greedy: logits on the runner's device; sampled: processed p on CPU
+    features: torch.Tensor | None = None  # [m + N, hidden] when the sequence wants features
     verdict: Verdict | None = None
     deferred: bool = False
     logprobs: list[float] | None = None
@@ -199,8 +216,12 @@ class BatchVerifier:
         eos_token_ids: Collection[int],
         ignore_eos: bool = False,
         logprobs: bool = False,
+        features: bool = False,
     ) -> None:
         """Open a sequence; the prompt is prefilled with its first :meth:`verify` (or chunk by chunk before it).
+
+        ``features``: every outcome carries the target's feature rows of the positions it gave KV (an EAGLE
+        drafter drafts from them).
 
         Raises InvalidArgumentError (bad or duplicate id, bad request fields) or CapacityError (``max_sequences``).
         """
@@ -219,6 +240,7 @@ class BatchVerifier:
             want_logprobs=logprobs,
             remaining=max_tokens,
             pending=[int(token) for token in prompt_ids],
+            want_features=features,
         )
 
     def generator(self, sequence_id: str) -> torch.Generator:
@@ -310,6 +332,7 @@ class BatchVerifier:
                 verify_s=verified - started,
                 commit_s=committed - verified,
                 batch_size=len(calls),
+                **_take_features(job.sequence, self.runner.hidden_size),
             )
             for job in jobs
         ]
@@ -338,7 +361,16 @@ class BatchVerifier:
         forwarded = [job for job in jobs if job.forwarded]
         items = [ForwardItem(job.runner_seq, job.sequence.pending, job.call.proposal.tree) for job in forwarded]
         items += [ForwardItem(sequence.runner_seq, sequence.pending[:count]) for sequence, count in chunks]
-        outputs = self.runner.forward(items) if items else []
+        wanted = any(job.sequence.want_features for job in forwarded) or any(s.want_features for s, _ in chunks)
+        if wanted:
+            outputs, features = self.runner.forward_features(items)
+            for job, rows in zip(forwarded, features, strict=False):
+                job.features = rows if job.sequence.want_features else None
+            for (sequence, count), rows in zip(chunks, features[len(forwarded) :], strict=True):
+                if sequence.want_features:
+                    sequence.unsent_features.append(rows[:count])
+        else:
+            outputs = self.runner.forward(items) if items else []
         # logits [1 + N, V], or [N, V] off a kept row; the chunks' rows (after the jobs') are not needed
         for job, logits in zip(forwarded, outputs[: len(forwarded)], strict=True):
             params = job.sequence.params
@@ -382,6 +414,9 @@ class BatchVerifier:
         sequence, verdict = job.sequence, job.verdict
         if job.forwarded:
             self.runner.commit(job.runner_seq, job.num_pending, verdict.accepted_path)
+            if job.features is not None:  # the rows of exactly what now has KV: pending tokens, then the path
+                kept = list(range(job.num_pending)) + [job.num_pending + node for node in verdict.accepted_path]
+                sequence.unsent_features.append(job.features[kept])
         sequence.remaining -= len(verdict.emitted)
         if job.deferred:
             sequence.pending, sequence.root_row = [], job.rows[verdict.accepted_path[-1] + 1]
@@ -390,6 +425,17 @@ class BatchVerifier:
         if verdict.finished:
             sequence.finish_reason = "stop" if verdict.emitted[-1] in sequence.eos_token_ids else "length"
             self._release(sequence)
+
+
+def _take_features(sequence: _Sequence, hidden_size: int) -> dict[str, torch.Tensor | int]:
+    """The outcome fields carrying ``sequence``'s unsent feature rows (none unless it wants features); clears them."""
+    if not sequence.want_features:
+        return {}
+    rows, sequence.unsent_features = sequence.unsent_features, []
+    features = torch.cat(rows) if rows else torch.empty(0, hidden_size)
+    start = sequence.features_sent
+    sequence.features_sent += len(features)
+    return {"features": features, "feature_start": start}
 
 
 def _verify_sampled(jobs: list[_Job], scheme: str) -> list[Verdict]:

@@ -207,6 +207,10 @@ class SpyDrafter:
         self.calls = 0
         self.rounds: list[tuple[int, int, int]] = []  # (active handles, runner open, drafter open)
 
+    @property
+    def feature_width(self) -> int:
+        return self.inner.feature_width
+
     def open(self, prompt: list[int], params: SamplingParams, generator: torch.Generator) -> int:
         return self.inner.open(prompt, params, generator)
 

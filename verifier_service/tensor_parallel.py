@@ -86,6 +86,10 @@ class BroadcastRunner:
         return self.runner.max_seq_len
 
     @property
+    def hidden_size(self) -> int:
+        return self.runner.hidden_size
+
+    @property
     def num_open(self) -> int:
         return self.runner.num_open
 
@@ -113,6 +117,12 @@ class BroadcastRunner:
         """Broadcast the queued ops and this forward, then run it here with the other ranks."""
         self._send(("forward", (list(items), all_logits)))
         return self.runner.forward(items, all_logits=all_logits)
+
+    def forward_features(self, items: Sequence[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`forward` with features; the other ranks run a plain forward (the same collectives: the hidden
+        state is replicated after each layer, and the norm that makes features has none)."""
+        self._send(("forward", (list(items), False)))
+        return self.runner.forward_features(items)
 
     def _send(self, op: Op) -> None:
         message = [[*self._queued, op]]

@@ -147,6 +147,17 @@ class Drafter(Protocol):
         """Sequences holding KV in a model runner (0 for model-free drafters); for leak checks."""
         ...
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target feature rows this drafter drafts from (EAGLE); 0 when it takes none."""
+        ...
+
+    def add_features(self, handle: int, start: int, rows: torch.Tensor) -> None:
+        """The target's feature rows [R, feature_width] of text positions ``start .. start + R - 1``, as the
+        verifier's outcomes carry them (:class:`~specdec.verification.VerifyOutcome`); given before the
+        ``commit`` / ``sync`` of the same round."""
+        ...
+
 
 @dataclass(frozen=True)
 class Outstanding:
@@ -210,6 +221,14 @@ class SequenceDrafter(ABC, Generic[S]):
     @property
     def runner_sequences(self) -> int:
         return 0
+
+    @property
+    def feature_width(self) -> int:
+        return 0
+
+    def add_features(self, handle: int, start: int, rows: torch.Tensor) -> None:
+        """Drafters that take no target features refuse them."""
+        raise InvalidArgumentError("features", "this drafter drafts without target features; send none")
 
     def text(self, handle: int) -> list[int]:
         """The sequence's prompt + committed + assumed tokens."""

@@ -1,0 +1,222 @@
+"""Self-distillation data: the target's own responses and its features, written to shards as they finish.
+
+Each conversation becomes one :class:`Example`: the token ids of prompt + response, the prompt length, and the
+target's feature rows (:meth:`~specdec.runner.KVRunner.forward_features`, the final norm's output) of every
+position but the last. The features of a position are the target's state after reading it; a drafter head
+trained on them learns to continue the target from its own state (EAGLE).
+
+Two sources:
+
+- :func:`generate_examples`: the target answers each prompt through the verification engine
+  (:class:`~specdec.verification.BatchVerifier`) with target-only rounds, continuously batched (a finished
+  sequence's slot is refilled at once). The forward that commits a token is a teacher-forced forward over
+  prompt + response, so its feature rows are exactly those teacher forcing would give.
+- :func:`teacher_force_examples`: a user's own conversations (prompt and response given), one forward each.
+
+Shards are ``torch.save`` files of at most ``shard_size`` examples, written as they complete, so a job killed
+by its time budget keeps its finished shards and a rerun skips the records already done.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specdec.drafters.base import Proposal
+from specdec.errors import InvalidArgumentError
+from specdec.runner import KVRunner
+from specdec.sampling import SamplingParams
+from specdec.tree import TokenTree
+from specdec.verification import BatchVerifier, VerifyCall
+
+FEATURE_DTYPE = torch.float16  # shards store features in half precision (post-norm rows are small in magnitude)
+_EMPTY = Proposal(TokenTree.empty(), None)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What one example is made from: chat messages ending with a user turn (the target answers), or ending
+    with an assistant turn (teacher forcing of the given response)."""
+
+    id: str
+    messages: tuple[dict[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Example:
+    """``token_ids`` [L] prompt + response; ``features`` [L - 1, hidden] at positions ``0 .. L - 2``."""
+
+    id: str
+    token_ids: torch.Tensor
+    prompt_length: int
+    features: torch.Tensor
+
+    @property
+    def response_length(self) -> int:
+        return len(self.token_ids) - self.prompt_length
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` through the chat template, with the assistant's turn opened."""
+    return list(
+        tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+
+
+def generate_examples(
+    runner: KVRunner,
+    tokenizer: PreTrainedTokenizerBase,
+    eos_token_ids: frozenset[int],
+    conversations: Iterable[Conversation],
+    *,
+    max_tokens: int,
+    batch_size: int,
+    sampling_for: Callable[[int], SamplingParams],
+    seed: int,
+    max_prompt_tokens: int = 512,
+    deadline: float | None = None,
+) -> Iterator[Example]:
+    """The target's responses to ``conversations`` with features, in completion order.
+
+    ``sampling_for(index)`` gives the settings of the ``index``-th conversation (e.g. greedy for most, a
+    temperature for some, so the head sees the contexts both kinds of request produce); its seed is
+    ``seed + index``. At most ``batch_size`` sequences run together; no new one starts after ``deadline``
+    (``time.monotonic()``). Prompts longer than ``max_prompt_tokens`` are skipped.
+    """
+    verifier = BatchVerifier(runner)
+    pending = iter(enumerate(conversations))
+    active: dict[str, tuple[Conversation, list[int], list[torch.Tensor], list[int]]] = {}
+    exhausted = False
+    while True:
+        while not exhausted and len(active) < batch_size and (deadline is None or time.monotonic() < deadline):
+            item = next(pending, None)
+            if item is None:
+                exhausted = True
+                break
+            index, conversation = item
+            prompt = encode_chat(tokenizer, conversation.messages)
+            if len(prompt) > max_prompt_tokens:
+                continue
+            verifier.open(
+                conversation.id, prompt, sampling_for(index), seed + index, max_tokens, eos_token_ids, features=True
+            )
+            active[conversation.id] = (conversation, prompt, [], [])
+        if not active:
+            return
+        outcomes = verifier.verify([VerifyCall(sequence_id, _EMPTY) for sequence_id in active])
+        for sequence_id, outcome in zip(list(active), outcomes, strict=True):
+            conversation, prompt, features, response = active[sequence_id]
+            features.append(outcome.features.to(FEATURE_DTYPE))
+            response.extend(outcome.verdict.emitted)
+            if outcome.finish_reason is not None:
+                verifier.close(sequence_id)
+                del active[sequence_id]
+                yield Example(
+                    conversation.id,
+                    torch.tensor(prompt + response, dtype=torch.int32),
+                    len(prompt),
+                    torch.cat(features),
+                )
+
+
+def teacher_force_examples(
+    runner: KVRunner,
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: Iterable[Conversation],
+    *,
+    max_tokens: int,
+) -> Iterator[Example]:
+    """Examples from conversations whose last message is the assistant's response (``--data FILE.jsonl``).
+
+    The prompt is every message before the last through the chat template; the response is the rest of the
+    templated conversation (at most ``max_tokens`` tokens). One forward per conversation gives its features.
+    """
+    verifier = BatchVerifier(runner)
+    for conversation in conversations:
+        messages = list(conversation.messages)
+        if len(messages) < 2 or messages[-1].get("role") != "assistant":
+            raise InvalidArgumentError("data", f"conversation {conversation.id!r} must end with an assistant message")
+        prompt = encode_chat(tokenizer, messages[:-1])
+        full = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+        if full[: len(prompt)] != prompt or len(full) <= len(prompt):
+            raise InvalidArgumentError("data", f"conversation {conversation.id!r}: the template does not extend")
+        tokens = full[: len(prompt) + max_tokens]
+        verifier.open(conversation.id, tokens, SamplingParams(temperature=0.0), 0, 1, frozenset(), features=True)
+        try:
+            (outcome,) = verifier.verify([VerifyCall(conversation.id, _EMPTY)])
+        finally:
+            verifier.close(conversation.id)
+        yield Example(
+            conversation.id,
+            torch.tensor(tokens, dtype=torch.int32),
+            len(prompt),
+            outcome.features.to(FEATURE_DTYPE),
+        )
+
+
+def read_conversations(path: Path) -> list[Conversation]:
+    """``{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}`` per line (``id`` optional)."""
+    conversations = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                messages = tuple({"role": m["role"], "content": m["content"]} for m in row["messages"])
+            except (ValueError, KeyError, TypeError) as error:
+                raise InvalidArgumentError("data", f"{path}:{number}: not a conversation ({error})") from error
+            conversations.append(Conversation(str(row.get("id", f"line-{number}")), messages))
+    return conversations
+
+
+class ShardWriter:
+    """Writes examples to ``directory/shard-NNNNN.pt`` every ``shard_size`` examples (and at :meth:`close`)."""
+
+    def __init__(self, directory: Path, shard_size: int = 256) -> None:
+        self.directory = directory
+        self.shard_size = shard_size
+        directory.mkdir(parents=True, exist_ok=True)
+        self._buffer: list[Example] = []
+        self._next = len(list(directory.glob("shard-*.pt")))
+
+    def add(self, example: Example) -> None:
+        self._buffer.append(example)
+        if len(self._buffer) >= self.shard_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        shard = {
+            "ids": [e.id for e in self._buffer],
+            "token_ids": [e.token_ids for e in self._buffer],
+            "prompt_lengths": [e.prompt_length for e in self._buffer],
+            "features": [e.features for e in self._buffer],
+        }
+        final = self.directory / f"shard-{self._next:05d}.pt"
+        partial = final.with_suffix(".partial")
+        torch.save(shard, partial)
+        partial.rename(final)  # a killed job never leaves a half-written shard under the final name
+        self._next += 1
+        self._buffer = []
+
+
+def read_shards(directory: Path) -> list[Example]:
+    """Every example stored under ``directory`` (in shard order)."""
+    examples = []
+    for path in sorted(directory.glob("shard-*.pt")):
+        shard = torch.load(path, weights_only=True)
+        examples += [
+            Example(id_, tokens, prompt_length, features)
+            for id_, tokens, prompt_length, features in zip(
+                shard["ids"], shard["token_ids"], shard["prompt_lengths"], shard["features"], strict=True
+            )
+        ]
+    return examples
