@@ -71,9 +71,8 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str,
 
 def generate_examples(
     runner: KVRunner,
-    tokenizer: PreTrainedTokenizerBase,
     eos_token_ids: frozenset[int],
-    conversations: Iterable[Conversation],
+    prompts: Iterable[tuple[str, list[int]]],
     *,
     max_tokens: int,
     batch_size: int,
@@ -82,7 +81,8 @@ def generate_examples(
     max_prompt_tokens: int = 512,
     deadline: float | None = None,
 ) -> Iterator[Example]:
-    """The target's responses to ``conversations`` with features, in completion order.
+    """The target's responses to ``prompts`` (``(id, token ids)``, e.g. :func:`encode_chat` of a conversation)
+    with features, in completion order.
 
     ``sampling_for(index)`` gives the settings of the ``index``-th conversation (e.g. greedy for most, a
     temperature for some, so the head sees the contexts both kinds of request produce); its seed is
@@ -90,8 +90,8 @@ def generate_examples(
     (``time.monotonic()``). Prompts longer than ``max_prompt_tokens`` are skipped.
     """
     verifier = BatchVerifier(runner)
-    pending = iter(enumerate(conversations))
-    active: dict[str, tuple[Conversation, list[int], list[torch.Tensor], list[int]]] = {}
+    pending = iter(enumerate(prompts))
+    active: dict[str, tuple[list[int], list[torch.Tensor], list[int]]] = {}
     exhausted = False
     while True:
         while not exhausted and len(active) < batch_size and (deadline is None or time.monotonic() < deadline):
@@ -99,26 +99,25 @@ def generate_examples(
             if item is None:
                 exhausted = True
                 break
-            index, conversation = item
-            prompt = encode_chat(tokenizer, conversation.messages)
+            index, (prompt_id, prompt) = item
             if len(prompt) > max_prompt_tokens:
                 continue
             verifier.open(
-                conversation.id, prompt, sampling_for(index), seed + index, max_tokens, eos_token_ids, features=True
+                prompt_id, prompt, sampling_for(index), seed + index, max_tokens, eos_token_ids, features=True
             )
-            active[conversation.id] = (conversation, prompt, [], [])
+            active[prompt_id] = (prompt, [], [])
         if not active:
             return
         outcomes = verifier.verify([VerifyCall(sequence_id, _EMPTY) for sequence_id in active])
         for sequence_id, outcome in zip(list(active), outcomes, strict=True):
-            conversation, prompt, features, response = active[sequence_id]
+            prompt, features, response = active[sequence_id]
             features.append(outcome.features.to(FEATURE_DTYPE))
             response.extend(outcome.verdict.emitted)
             if outcome.finish_reason is not None:
                 verifier.close(sequence_id)
                 del active[sequence_id]
                 yield Example(
-                    conversation.id,
+                    sequence_id,
                     torch.tensor(prompt + response, dtype=torch.int32),
                     len(prompt),
                     torch.cat(features),

@@ -1,4 +1,4 @@
-"""Drafters behind one interface: ``model``, ``ngram`` and ``early-exit``.
+"""Drafters behind one interface: ``model``, ``ngram``, ``early-exit`` and ``eagle``.
 
 Every drafter supports pipelining (``assume_accepted``) and rollback (``sync``); see
 :mod:`specdec.drafters.base`.
@@ -6,23 +6,27 @@ Every drafter supports pipelining (``assume_accepted``) and rollback (``sync``);
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
+from specdec.cache import default_head_dir
 from specdec.drafters.base import DraftConfig, Drafter, Proposal, SequenceDrafter
+from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
-from specdec.errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError, ModelNotFoundError
 from specdec.models import LoadedModel, check_same_vocabulary, load_model
 from specdec.runner import KVRunner
 
-DrafterKind = Literal["none", "ngram", "model", "early-exit"]
-DRAFTER_KINDS: tuple[str, ...] = ("none", "ngram", "model", "early-exit")
+DrafterKind = Literal["none", "ngram", "model", "early-exit", "eagle"]
+DRAFTER_KINDS: tuple[str, ...] = ("none", "ngram", "model", "early-exit", "eagle")
 
 __all__ = [
     "DRAFTER_KINDS",
     "DraftConfig",
     "Drafter",
     "DrafterKind",
+    "EagleDrafter",
     "ModelDrafter",
     "NgramDrafter",
     "Proposal",
@@ -45,7 +49,11 @@ def build_drafter(
     draft_model: str | LoadedModel | None = None,
     early_exit_layers: int | None = None,
 ) -> Drafter | None:
-    """The drafter of ``kind`` for ``target`` (``None`` for ``kind == "none"``)."""
+    """The drafter of ``kind`` for ``target`` (``None`` for ``kind == "none"``).
+
+    ``eagle`` loads the head in ``draft_model`` (a directory), or with none the head cached for the target
+    (:func:`~specdec.cache.default_head_dir`, made by ``specdec distill``).
+    """
     if kind == "none":
         return None
     if kind == "ngram":
@@ -62,4 +70,15 @@ def build_drafter(
         if not 1 <= layers < total:
             raise InvalidArgumentError("early_exit_layers", f"must be in [1, {total}), got {layers}")
         return ModelDrafter(KVRunner(target.model, num_layers=layers), config)
+    if kind == "eagle":
+        if isinstance(draft_model, LoadedModel):
+            raise InvalidArgumentError("draft_model", "the eagle drafter needs a head directory, not a model")
+        directory = Path(draft_model).expanduser() if draft_model else default_head_dir(target.name)
+        if draft_model is None and not directory.is_dir():
+            raise ModelNotFoundError(
+                f"draft_model: no EAGLE head cached for {target.name!r} in {directory}; "
+                f"make one with `specdec distill --target {target.name}` or name one with --draft-model DIR"
+            )
+        config_hidden = int(target.model.config.hidden_size)
+        return EagleDrafter.load(directory, config, hidden_size=config_hidden, vocab_size=target.vocab_size)
     raise InvalidArgumentError("drafter", f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")

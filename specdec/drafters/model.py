@@ -48,17 +48,26 @@ class _Drafted(Outstanding):
 
 
 @dataclass(kw_only=True)
-class _Sequence(SequenceState):
-    runner_seq: int
+class SampledSequence(SequenceState):
+    """A drafting model's sequence: the request's sampling settings and the random stream children are drawn from."""
+
     params: SamplingParams
     generator: torch.Generator
 
 
-@dataclass
-class _Draft:
-    """One sequence's tree under construction; ``levels`` is its depth limit this round."""
+@dataclass(kw_only=True)
+class _Sequence(SampledSequence):
+    runner_seq: int
 
-    sequence: _Sequence
+
+@dataclass
+class TreeDraft:
+    """One sequence's tree under construction; ``levels`` is its depth limit this round.
+
+    ``sequence`` is any drafter's sequence state with ``config``, ``params`` and ``generator``.
+    """
+
+    sequence: SampledSequence
     budget: int
     levels: int
     tokens: list[int] = field(default_factory=list)
@@ -97,7 +106,7 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
         for sequence, budget in zip(self._sequences_for(handles, max_tokens), max_tokens, strict=True):
             room = self.runner.max_seq_len + 1 - len(sequence.text)  # a level-d forward needs len(text) + d positions
             levels = max(0, min(sequence.config.num_draft_tokens, room))
-            drafts.append(_Draft(sequence, min(budget, sequence.config.max_nodes), levels))
+            drafts.append(TreeDraft(sequence, min(budget, sequence.config.max_nodes), levels))
         for depth in range(max((draft.levels for draft in drafts), default=0)):
             growing = [d for d in drafts if depth < d.levels and d.frontier and len(d.tokens) < d.budget]
             if not growing:
@@ -105,75 +114,18 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
             items = [ForwardItem(d.sequence.runner_seq, self._pending(d.sequence), d.tree) for d in growing]
             for draft, logits in zip(growing, self.runner.forward(items), strict=True):
                 draft.forwarded_nodes = len(draft.tokens)
-                self._grow(draft, logits, levels_left=draft.levels - depth)
+                grow_level(draft, logits, levels_left=draft.levels - depth)
         proposals = []
         for draft in drafts:
             tree = draft.tree
             assumed = most_probable_leaf_path(tree, draft.path_probs)
             draft.sequence.outstanding = _Drafted(tree, tuple(assumed), draft.forwarded_nodes)
-            proposals.append(self._proposal(draft))
+            proposals.append(draft_proposal(draft))
         return proposals
 
     def _pending(self, sequence: _Sequence) -> list[int]:
         """The text after the runner's committed KV: the next forward's first input (never empty)."""
         return sequence.text[self.runner.length(sequence.runner_seq) :]
-
-    def _grow(self, draft: _Draft, logits: torch.Tensor, levels_left: int) -> None:
-        """Add one level of children under the frontier; ``logits`` [1 + N, V] from the forward.
-
-        The most probable frontier nodes (by draft path probability) are expanded first, so the
-        node budget goes where acceptance is likeliest; each level gets at most its share of the
-        remaining budget (``room // levels_left``, at least one node), so the tree reaches the
-        configured depth: width 2, depth 3, budget 6 gives two children at every level, under
-        the most probable node of the level above.
-        """
-        sequence = draft.sequence
-        config = sequence.config
-        expand = sorted(draft.frontier, key=lambda node: -self._path_prob(draft, node))
-        node_logits = logits[[node + 1 for node in expand]]  # [F, V]
-        # On the host: children are drawn with the sequence's CPU generator, and the rows go over the wire.
-        rows = logits_to_probs(node_logits, sequence.params.with_top_k_cap(config.draft_top_k)).cpu()
-        ranking = torch.softmax(node_logits.float(), dim=-1) if sequence.params.greedy else rows
-        new_frontier = []
-        level_room = max(1, (draft.budget - len(draft.tokens)) // levels_left)
-        for node, row_logits, q, rank in zip(expand, node_logits, rows, ranking, strict=True):
-            count = min(config.tree_width, level_room, draft.budget - len(draft.tokens))
-            if count <= 0:
-                break
-            children = self._children(row_logits, q, count, sequence)
-            level_room -= len(children)
-            for token in children:
-                draft.tokens.append(token)
-                draft.parents.append(node)
-                draft.rows.append(q)
-                draft.path_probs.append(self._path_prob(draft, node) * float(rank[token]))
-                new_frontier.append(len(draft.tokens) - 1)
-        draft.frontier = new_frontier
-
-    @staticmethod
-    def _path_prob(draft: _Draft, node: int) -> float:
-        return 1.0 if node == ROOT else draft.path_probs[node]
-
-    @staticmethod
-    def _children(row_logits: torch.Tensor, q: torch.Tensor, count: int, sequence: _Sequence) -> list[int]:
-        """``count`` children of one node; ``row_logits``, ``q``: [V].
-
-        Greedy: the top-``count`` draft tokens (deterministic children are lossless only under
-        greedy, DESIGN §3). Sampling: drawn from ``q`` by the sequence's tree scheme.
-        """
-        if sequence.params.greedy:
-            return torch.topk(row_logits, count).indices.tolist()
-        if sequence.config.tree_sampling == "without_replacement":
-            count = min(count, int((q > 0).sum()))
-            return torch.multinomial(q, count, replacement=False, generator=sequence.generator).tolist()
-        return torch.multinomial(q, count, replacement=True, generator=sequence.generator).tolist()
-
-    @staticmethod
-    def _proposal(draft: _Draft) -> Proposal:
-        if draft.sequence.params.greedy:
-            return Proposal(draft.tree, None)
-        probs = torch.stack(draft.rows) if draft.rows else None
-        return Proposal(draft.tree, probs, draft.sequence.config.tree_sampling)
 
     def _start(
         self, prompt: list[int], params: SamplingParams, generator: torch.Generator, config: DraftConfig
@@ -212,3 +164,62 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
 
     def _release(self, state: _Sequence) -> None:
         self.runner.close(state.runner_seq)
+
+
+def grow_level(draft: TreeDraft, logits: torch.Tensor, levels_left: int) -> None:
+    """Add one level of children under the frontier; ``logits`` [1 + N, V] from the forward.
+
+    The most probable frontier nodes (by draft path probability) are expanded first, so the
+    node budget goes where acceptance is likeliest; each level gets at most its share of the
+    remaining budget (``room // levels_left``, at least one node), so the tree reaches the
+    configured depth: width 2, depth 3, budget 6 gives two children at every level, under
+    the most probable node of the level above.
+    """
+    sequence = draft.sequence
+    config = sequence.config
+    expand = sorted(draft.frontier, key=lambda node: -path_prob(draft, node))
+    node_logits = logits[[node + 1 for node in expand]]  # [F, V]
+    # On the host: children are drawn with the sequence's CPU generator, and the rows go over the wire.
+    rows = logits_to_probs(node_logits, sequence.params.with_top_k_cap(config.draft_top_k)).cpu()
+    ranking = torch.softmax(node_logits.float(), dim=-1) if sequence.params.greedy else rows
+    new_frontier = []
+    level_room = max(1, (draft.budget - len(draft.tokens)) // levels_left)
+    for node, row_logits, q, rank in zip(expand, node_logits, rows, ranking, strict=True):
+        count = min(config.tree_width, level_room, draft.budget - len(draft.tokens))
+        if count <= 0:
+            break
+        children = draw_children(row_logits, q, count, sequence)
+        level_room -= len(children)
+        for token in children:
+            draft.tokens.append(token)
+            draft.parents.append(node)
+            draft.rows.append(q)
+            draft.path_probs.append(path_prob(draft, node) * float(rank[token]))
+            new_frontier.append(len(draft.tokens) - 1)
+    draft.frontier = new_frontier
+
+
+def path_prob(draft: TreeDraft, node: int) -> float:
+    return 1.0 if node == ROOT else draft.path_probs[node]
+
+
+def draw_children(row_logits: torch.Tensor, q: torch.Tensor, count: int, sequence: SampledSequence) -> list[int]:
+    """``count`` children of one node; ``row_logits``, ``q``: [V].
+
+    Greedy: the top-``count`` draft tokens (deterministic children are lossless only under
+    greedy, DESIGN §3). Sampling: drawn from ``q`` by the sequence's tree scheme.
+    """
+    if sequence.params.greedy:
+        return torch.topk(row_logits, count).indices.tolist()
+    if sequence.config.tree_sampling == "without_replacement":
+        count = min(count, int((q > 0).sum()))
+        return torch.multinomial(q, count, replacement=False, generator=sequence.generator).tolist()
+    return torch.multinomial(q, count, replacement=True, generator=sequence.generator).tolist()
+
+
+def draft_proposal(draft: TreeDraft) -> Proposal:
+    """The finished tree with its draft rows (none under greedy: ``q`` is one-hot)."""
+    if draft.sequence.params.greedy:
+        return Proposal(draft.tree, None)
+    probs = torch.stack(draft.rows) if draft.rows else None
+    return Proposal(draft.tree, probs, draft.sequence.config.tree_sampling)

@@ -1,0 +1,209 @@
+"""``specdec distill``: train an EAGLE head for a target from the target's own outputs, end to end.
+
+Stages, each resumable (rerunning the same command continues where a killed one stopped):
+
+1. **data** — the target answers the shipped prompt set (:mod:`specdec.distill.prompts`; ``--data FILE`` takes a
+   user's own conversations instead, teacher-forced) and the shards land in the cache
+   (:func:`~specdec.cache.distill_data_dir`); ``--data-minutes`` bounds this stage, shards already there count;
+2. **vocabulary** — the ``--draft-vocab`` most frequent response tokens (EOS kept), fixed at the first run;
+3. **training** — :func:`specdec.distill.train.train` for ``--steps`` or ``--minutes``, with a progress bar
+   (loss, held-out agreement of the head's argmax with the target's at unroll steps 1..S);
+4. the head with the best held-out agreement is saved to ``--out`` (default: the cached head ``--drafter eagle``
+   uses, :func:`~specdec.cache.default_head_dir`) in the speculators layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec.cache import default_head_dir, distill_data_dir
+from specdec.distill.data import (
+    Conversation,
+    Example,
+    ShardWriter,
+    encode_chat,
+    generate_examples,
+    read_conversations,
+    read_shards,
+    teacher_force_examples,
+)
+from specdec.distill.prompts import load_prompt_set
+from specdec.distill.train import EvalResult, TrainConfig, choose_draft_vocab, make_batches, train
+from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+from specdec.errors import InvalidArgumentError
+from specdec.models import LoadedModel, load_model
+from specdec.runner import KVRunner
+from specdec.sampling import SamplingParams
+
+VOCAB_FILE = "draft-vocab.pt"
+HELD_OUT_PROMPTS = 64  # enough to rank checkpoints; the benchmarks use the whole held-out split
+
+
+def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argparse.Namespace], int]:
+    """Add ``distill`` to ``subparsers``; returns its run function."""
+    parser = subparsers.add_parser("distill", help="train an EAGLE draft head from the target's own outputs")
+    parser.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, local directory or hub id")
+    parser.add_argument("--out", type=Path, help="head directory (default: the cached head for --target)")
+    parser.add_argument("--data", type=Path, help="your own conversations (JSONL, last message the assistant's)")
+    parser.add_argument("--data-minutes", type=float, default=30.0, help="time budget of data generation")
+    parser.add_argument("--max-tokens", type=int, default=160, help="longest generated response")
+    parser.add_argument("--batch-size", type=int, default=48, help="sequences generated together")
+    parser.add_argument("--steps", type=int, help="training steps (deterministic budget)")
+    parser.add_argument("--minutes", type=float, help="training time budget (default 10 when --steps is not given)")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size K")
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers of the head")
+    parser.add_argument("--unroll-steps", type=int, default=3, help="training-time unrolled steps (1: none)")
+    parser.add_argument("--feature-weight", type=float, default=0.2, help="weight of the feature regression loss")
+    parser.add_argument("--learning-rate", type=float, default=6e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the target generates and the head trains")
+    return run_distill
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    target = load_model(args.target, device=args.device)
+    if not 1 <= args.draft_vocab <= target.vocab_size:
+        raise InvalidArgumentError(
+            "draft_vocab", f"must be in [1, {target.vocab_size}] (the target's vocabulary), got {args.draft_vocab}"
+        )
+    if args.layers < 1:
+        raise InvalidArgumentError("layers", f"must be >= 1, got {args.layers}")
+    out = (args.out or default_head_dir(args.target)).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = distill_data_dir(args.target) if args.data is None else out / "data"
+    started = time.monotonic()
+    train_examples, held_out = collect_data(target, args, data_dir)
+    data_minutes = (time.monotonic() - started) / 60
+    vocab = _draft_vocab(out, train_examples, args.draft_vocab, target)
+    head = EagleHead.from_target(target.model, vocab, num_layers=args.layers)
+    config = TrainConfig(
+        steps=args.steps,
+        minutes=args.minutes if args.minutes is not None or args.steps is not None else 10.0,
+        learning_rate=args.learning_rate,
+        unroll_steps=args.unroll_steps,
+        feature_weight=args.feature_weight,
+        seed=args.seed,
+    )
+    batches = make_batches(train_examples, config.batch_tokens, config.max_length)
+    held_out_batches = make_batches(held_out, config.batch_tokens, config.max_length)
+    info = HeadInfo(verifier=args.target, num_draft_tokens=4)
+    best: list[float] = [-1.0]
+    bar = tqdm(total=config.steps, desc="distill", unit="step", file=sys.stderr)
+
+    def on_step(step: int, loss: float) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+
+    def on_eval(step: int, result: EvalResult) -> None:
+        score = sum(result.agree)
+        bar.write(f"step {step}: held-out loss {result.loss:.3f}, agreement by depth {_fmt(result.agree)}")
+        if score > best[0]:  # early stopping: keep the head that agrees best on prompts it never saw
+            best[0] = score
+            save_head(head, out, info)
+
+    train_started = time.monotonic()
+    result = train(head, batches, held_out_batches, config, checkpoint_dir=out, on_eval=on_eval, on_step=on_step)
+    bar.close()
+    if best[0] < 0:
+        save_head(head, out, info)
+    summary = {
+        "out": str(out),
+        "examples": len(train_examples),
+        "training_tokens": sum(e.response_length for e in train_examples),
+        "draft_vocab": len(vocab),
+        "data_minutes": round(data_minutes, 2),
+        "train_minutes": round((time.monotonic() - train_started) / 60, 2),
+        "held_out_agreement": [round(a, 4) for a in result.agree],
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def collect_data(target: LoadedModel, args: argparse.Namespace, data_dir: Path) -> tuple[list[Example], list[Example]]:
+    """Training and held-out examples: what the cache holds, plus what the time budget adds."""
+    if target.tokenizer is None:
+        raise InvalidArgumentError("target", f"{target.name!r} has no tokenizer to apply the chat template")
+    runner = KVRunner(target.model)
+    deadline = time.monotonic() + args.data_minutes * 60
+    if args.data is not None:
+        conversations = read_conversations(args.data)
+        random.Random(args.seed).shuffle(conversations)
+        cut = max(1, len(conversations) // 20)  # 5 % held out
+        splits = {"heldout": conversations[:cut], "train": conversations[cut:]}
+
+        def teacher_force(todo: list[Conversation]) -> Iterator[Example]:
+            return teacher_force_examples(runner, target.tokenizer, todo, max_tokens=args.max_tokens)
+
+        for split, rows in splits.items():
+            _fill(data_dir / split, rows, teacher_force)
+        return read_shards(data_dir / "train"), read_shards(data_dir / "heldout")
+    held = load_prompt_set("heldout")[:HELD_OUT_PROMPTS]
+    train_rows = load_prompt_set("train")
+    random.Random(args.seed).shuffle(train_rows)  # a time-bounded run still sees every category
+
+    def generate(todo: list[Conversation], until: float | None) -> Iterator[Example]:
+        prompts = [(c.id, encode_chat(target.tokenizer, c.messages)) for c in todo]
+        return generate_examples(
+            runner,
+            target.eos_token_ids,
+            prompts,
+            max_tokens=args.max_tokens,
+            batch_size=args.batch_size,
+            sampling_for=_sampling_for,
+            seed=args.seed,
+            deadline=until,
+        )
+
+    _fill(data_dir / "heldout", [Conversation(r.id, r.messages) for r in held], lambda t: generate(t, None))
+    _fill(data_dir / "train", [Conversation(r.id, r.messages) for r in train_rows], lambda t: generate(t, deadline))
+    return read_shards(data_dir / "train"), read_shards(data_dir / "heldout")
+
+
+def _fill(
+    directory: Path, conversations: list[Conversation], make: Callable[[list[Conversation]], Iterator[Example]]
+) -> None:
+    """Add to ``directory`` the examples of the conversations it does not hold yet."""
+    done = {example.id for example in read_shards(directory)} if directory.is_dir() else set()
+    todo = [c for c in conversations if c.id not in done]
+    if not todo:
+        return
+    writer = ShardWriter(directory, shard_size=64)
+    bar = tqdm(total=len(todo), desc=f"data {directory.name}", unit="conv", file=sys.stderr)
+    try:
+        for example in make(todo):
+            writer.add(example)
+            bar.update(1)
+    finally:
+        writer.flush()
+        bar.close()
+
+
+def _sampling_for(index: int) -> SamplingParams:
+    """Greedy for three prompts in four, temperature 0.7 for the fourth: the head sees both kinds of context."""
+    return SamplingParams(temperature=0.7) if index % 4 == 3 else SamplingParams(temperature=0.0)
+
+
+def _draft_vocab(out: Path, examples: list[Example], size: int, target: LoadedModel) -> torch.Tensor:
+    """The draft vocabulary, chosen once per head directory (a resumed run must keep the same rows)."""
+    path = out / VOCAB_FILE
+    if path.is_file():
+        vocab = torch.load(path, weights_only=True)
+        if len(vocab) == size:
+            return vocab
+    vocab = choose_draft_vocab(examples, size, target.vocab_size, sorted(target.eos_token_ids))
+    torch.save(vocab, path)
+    return vocab
+
+
+def _fmt(values: tuple[float, ...]) -> str:
+    return " / ".join(f"{value:.3f}" for value in values)

@@ -1,0 +1,308 @@
+"""Training an EAGLE head (:mod:`specdec.drafters.eagle_head`) on self-distillation examples.
+
+Per example (prompt + response, ``L`` tokens, target features ``F_0 .. F_(L-2)``) the head reads, at head
+position ``i = 1 .. L-2``, the token ``t_i`` and the feature ``F_(i-1)``, and is trained towards ``F_i``:
+
+- **soft cross-entropy** to the target's law of ``t_(i+1)`` over the draft vocabulary, ``softmax(lm_head(F_i))``
+  (the target's own LM-head rows, so this is the target's distribution restricted to the K draft tokens);
+- **feature regression**: smooth L1 between the head's ``g_i`` and ``F_i`` (weight ``feature_weight``);
+- **training-time unrolling** (EAGLE-3's "training-time test"): step ``s`` feeds the head its own step ``s-1``
+  predictions as input features, with the attention it would have at drafting depth ``s``
+  (:func:`unrolled_mask`); step losses are weighted ``step_decay ** s``.
+
+Losses count only positions that predict a response token. Batches group examples of similar length (right
+padding: causal attention never lets a real row see a pad). The learning rate warms up, then follows a cosine
+over the run, measured in steps (``steps``) or in elapsed time (``minutes``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.distill.data import Example
+from specdec.drafters.eagle_head import EagleHead, scaled_attention
+from specdec.errors import InvalidArgumentError
+
+CHECKPOINT_FILE = "train-state.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings; ``steps`` or ``minutes`` bounds the run (the first reached ends it)."""
+
+    steps: int | None = None
+    minutes: float | None = None
+    learning_rate: float = 6e-4
+    warmup_steps: int = 40
+    weight_decay: float = 0.0
+    batch_tokens: int = 6144
+    max_length: int = 640
+    unroll_steps: int = 3
+    step_decay: float = 0.8
+    feature_weight: float = 0.2
+    eval_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps is None and self.minutes is None:
+            raise InvalidArgumentError("steps", "give steps or minutes to bound training")
+        if self.unroll_steps < 1:
+            raise InvalidArgumentError("unroll_steps", f"must be >= 1, got {self.unroll_steps}")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Right-padded rows: ``tokens`` [B, T], ``features`` [B, T, H] (input, ``F_(i-1)``), ``targets`` [B, T, H]
+    (``F_i``), ``positions`` [B, T], ``loss_mask`` [B, T] (rows that predict a response token)."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
+    loss_mask: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Teacher-forced agreement on held-out rows: ``agree[s]`` is the fraction of response rows where the head's
+    argmax at unroll step ``s`` equals the target's; ``loss`` the weighted training loss."""
+
+    loss: float
+    agree: tuple[float, ...]
+
+
+def choose_draft_vocab(examples: Sequence[Example], size: int, vocab_size: int, keep: Sequence[int]) -> torch.Tensor:
+    """The ``size`` most frequent response tokens of ``examples`` (ties: lower id), always including ``keep``
+    (EOS), as sorted target ids [K]. Tokens never seen fill the rest by id order when the data is small."""
+    if not 1 <= size <= vocab_size:
+        raise InvalidArgumentError("draft_vocab", f"must be in [1, {vocab_size}] (the target's vocabulary), got {size}")
+    counts: Counter[int] = Counter()
+    for example in examples:
+        counts.update(example.token_ids[example.prompt_length :].tolist())
+    chosen = [int(token) for token in keep if 0 <= token < vocab_size][:size]
+    ranked = sorted(counts, key=lambda token: (-counts[token], token))
+    chosen_set = set(chosen)
+    for token in [*ranked, *range(vocab_size)]:
+        if len(chosen) >= size:
+            break
+        if token not in chosen_set:
+            chosen.append(token)
+            chosen_set.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def make_batches(examples: Sequence[Example], batch_tokens: int, max_length: int) -> list[Batch]:
+    """Examples grouped by length into batches of at most ``batch_tokens`` padded rows (each cut to
+    ``max_length`` head positions)."""
+    rows = sorted((e for e in examples if len(e.token_ids) >= 3), key=lambda e: len(e.token_ids))
+    batches, group = [], []
+    for example in rows:
+        length = min(len(example.token_ids) - 2, max_length)
+        if group and (len(group) + 1) * length > batch_tokens:
+            batches.append(_collate(group, max_length))
+            group = []
+        group.append(example)
+    if group:
+        batches.append(_collate(group, max_length))
+    return batches
+
+
+def _collate(examples: list[Example], max_length: int) -> Batch:
+    length = min(max(len(e.token_ids) - 2 for e in examples), max_length)
+    hidden = examples[0].features.shape[-1]
+    count = len(examples)
+    tokens = torch.zeros(count, length, dtype=torch.long)
+    features = torch.zeros(count, length, hidden)
+    targets = torch.zeros(count, length, hidden)
+    loss_mask = torch.zeros(count, length, dtype=torch.bool)
+    for row, example in enumerate(examples):
+        size = min(len(example.token_ids) - 2, length)  # head positions 1 .. size
+        tokens[row, :size] = example.token_ids[1 : size + 1].long()
+        features[row, :size] = example.features[:size].float()
+        targets[row, :size] = example.features[1 : size + 1].float()
+        positions = torch.arange(1, size + 1)
+        loss_mask[row, :size] = positions + 1 >= example.prompt_length  # predicts t_(i+1) of the response
+    positions = torch.arange(1, length + 1).expand(count, length)
+    return Batch(tokens, features, targets, positions, loss_mask)
+
+
+def unrolled_mask(length: int, step: int) -> torch.Tensor:
+    """Visibility of the keys of steps ``0 .. step`` to step ``step``'s queries, bool [T, (step + 1) * T].
+
+    At drafting depth ``s`` the row at position ``i`` sees the committed head positions up to ``i - s`` (their
+    keys were made from true features: step 0) and, for each depth ``s' = 1 .. s``, the drafted row at
+    ``i - s + s'`` (made at step ``s'``; ``s' = s`` is the row itself, so no row is empty). Example,
+    ``length = 3, step = 1`` (columns: the step-0 keys, then the step-1 keys)::
+
+        [0, 0, 0,  1, 0, 0]
+        [1, 0, 0,  0, 1, 0]
+        [1, 1, 0,  0, 0, 1]
+
+    Step 0 is the plain causal mask.
+    """
+    rows = torch.arange(length)[:, None]
+    columns = torch.arange(length)[None, :]
+    blocks = [columns <= rows - step]
+    blocks += [columns == rows - step + depth for depth in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+class _UnrolledAttention:
+    """Attention for one unroll step: this step's keys join the earlier steps' (per layer), under its mask."""
+
+    def __init__(self, cache: list[list[tuple[torch.Tensor, torch.Tensor]]], mask: torch.Tensor) -> None:
+        self.cache = cache
+        self.mask = mask
+
+    def __call__(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        self.cache[index].append((key, value))
+        keys = torch.cat([k for k, _ in self.cache[index]], dim=2)
+        values = torch.cat([v for _, v in self.cache[index]], dim=2)
+        return scaled_attention(query, keys, values, self.mask)
+
+
+def unrolled_forward(head: EagleHead, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """The head's predicted features [B, T, H] at each unroll step ``0 .. steps - 1``."""
+    length = batch.tokens.shape[1]
+    cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in head.layers]
+    outputs = []
+    features = batch.features
+    for step in range(steps):
+        attend = _UnrolledAttention(cache, unrolled_mask(length, step))
+        predicted = head.forward_rows(batch.tokens, features, batch.positions, attend)
+        outputs.append(predicted)
+        features = torch.cat([batch.features[:, :1], predicted[:, :-1]], dim=1)  # row i reads this step's g_(i-1)
+    return outputs
+
+
+def batch_loss(head: EagleHead, batch: Batch, config: TrainConfig) -> tuple[torch.Tensor, list[float]]:
+    """The weighted loss and, per unroll step, the fraction of response rows whose argmax agrees."""
+    mask = batch.loss_mask
+    with torch.no_grad():
+        target = torch.softmax(head.logits(batch.targets[mask]), dim=-1)  # [R, K]
+        target_top = target.argmax(dim=-1)
+    total = torch.zeros(())
+    agree = []
+    for step, predicted in enumerate(unrolled_forward(head, batch, config.unroll_steps)):
+        rows = predicted[mask]
+        log_q = torch.log_softmax(head.logits(rows), dim=-1)
+        cross_entropy = -(target * log_q).sum(dim=-1).mean()
+        regression = F.smooth_l1_loss(rows, batch.targets[mask])
+        total = total + config.step_decay**step * (cross_entropy + config.feature_weight * regression)
+        agree.append(float((log_q.argmax(dim=-1) == target_top).float().mean()))
+    return total, agree
+
+
+def evaluate(head: EagleHead, batches: Sequence[Batch], config: TrainConfig) -> EvalResult:
+    """Loss and argmax agreement per unroll step over ``batches`` (weighted by response rows)."""
+    losses, agree, weights = 0.0, [0.0] * config.unroll_steps, 0
+    was_training = head.training
+    head.eval()
+    with torch.no_grad():
+        for batch in batches:
+            loss, step_agree = batch_loss(head, batch, config)
+            count = batch.num_tokens
+            losses += float(loss) * count
+            agree = [a + s * count for a, s in zip(agree, step_agree, strict=True)]
+            weights += count
+    head.train(was_training)
+    weights = max(weights, 1)
+    return EvalResult(losses / weights, tuple(a / weights for a in agree))
+
+
+def train(
+    head: EagleHead,
+    batches: Sequence[Batch],
+    held_out: Sequence[Batch],
+    config: TrainConfig,
+    *,
+    checkpoint_dir: Path | None = None,
+    on_eval: Callable[[int, EvalResult], None] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> EvalResult:
+    """Train ``head`` in place; returns the last held-out evaluation.
+
+    With ``checkpoint_dir`` the optimiser state is saved there every evaluation and a rerun resumes from it.
+    ``on_eval(step, result)`` sees every evaluation (the caller keeps the best head); ``on_step(step, loss)``
+    every step (a progress bar).
+    """
+    if not batches:
+        raise InvalidArgumentError("data", "no training examples (every response was empty?)")
+    torch.manual_seed(config.seed)
+    order_rng = random.Random(config.seed)
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    optimiser = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
+    step, spent = 0, 0.0
+    state_path = checkpoint_dir / CHECKPOINT_FILE if checkpoint_dir else None
+    if state_path is not None and state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        head.load_state_dict(state["head"])
+        optimiser.load_state_dict(state["optimiser"])
+        step, spent = state["step"], state["seconds"]
+        order_rng.setstate(state["order_rng"])
+    head.train()
+    started = time.monotonic() - spent
+    result = evaluate(head, held_out, config)
+    order: list[int] = []
+    while not _done(config, step, time.monotonic() - started):
+        if not order:
+            order = list(range(len(batches)))
+            order_rng.shuffle(order)
+        batch = batches[order.pop()]
+        for group in optimiser.param_groups:
+            group["lr"] = _learning_rate(config, step, time.monotonic() - started)
+        loss, _ = batch_loss(head, batch, config)
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimiser.step()
+        step += 1
+        if on_step is not None:
+            on_step(step, float(loss))
+        if step % config.eval_every == 0 or _done(config, step, time.monotonic() - started):
+            result = evaluate(head, held_out, config)
+            if on_eval is not None:
+                on_eval(step, result)
+            if state_path is not None:
+                torch.save(
+                    {
+                        "head": head.state_dict(),
+                        "optimiser": optimiser.state_dict(),
+                        "step": step,
+                        "seconds": time.monotonic() - started,
+                        "order_rng": order_rng.getstate(),
+                    },
+                    state_path,
+                )
+    head.eval()
+    return result
+
+
+def _done(config: TrainConfig, step: int, seconds: float) -> bool:
+    return (config.steps is not None and step >= config.steps) or (
+        config.minutes is not None and seconds >= config.minutes * 60
+    )
+
+
+def _learning_rate(config: TrainConfig, step: int, seconds: float) -> float:
+    """Linear warm-up, then a cosine to 10 % over the run's progress (steps or time, whichever is further)."""
+    progress = 0.0
+    if config.steps is not None:
+        progress = step / config.steps
+    if config.minutes is not None:
+        progress = max(progress, seconds / (config.minutes * 60))
+    warm = min(1.0, (step + 1) / config.warmup_steps)
+    return config.learning_rate * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))

@@ -1,0 +1,314 @@
+"""Drafting with an EAGLE head (:mod:`specdec.drafters.eagle_head`) from the target's own features.
+
+Per sequence the drafter holds the text, the target's **true** feature rows ``F_0 .. F_(L-1)`` (given by
+:meth:`EagleDrafter.add_features`, from the verifier's outcomes) and the head's KV of head positions
+``1 .. c``, each computed from a true feature (``c <= L``). Head position ``i`` reads ``(t_i, F_(i-1))``.
+
+A round on a text of ``n`` tokens:
+
+1. one batched forward over the *pending* head positions ``c+1 .. n-1``; its last row's prediction ``g_(n-1)``
+   gives the first level of children (text position ``n``);
+2. one forward per further level over the frontier, each node reading its parent's prediction ``g`` (RoPE at
+   ``n + depth``, attention over the committed head KV, the pending rows and the node's ancestors);
+3. the pending rows read from true features go into the head's KV (they never change); everything else was
+   scratch.
+
+A position with no true feature uses the head's own prediction for it: that is how a chain pre-drafted on an
+assumed path (pipelining, :meth:`assume_accepted`) drafts, from the predictions made while drafting that path.
+With neither (a sequence just opened: the verifier has not yet prefilled the prompt) the drafter proposes
+nothing, and that round is a plain target step. When the text is rolled back, features, predictions and head
+KV beyond the common prefix are dropped: pointer arithmetic on ``L`` and ``c``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.attention_masks import attention_mask
+from specdec.drafters.base import DraftConfig, Outstanding, Proposal, SequenceDrafter, common_prefix_length
+from specdec.drafters.eagle_head import EagleHead, load_head, scaled_attention
+from specdec.drafters.model import SampledSequence, TreeDraft, draft_proposal, grow_level, most_probable_leaf_path
+from specdec.errors import InvalidArgumentError
+from specdec.sampling import SamplingParams
+from specdec.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class _Drafted(Outstanding):
+    """An outstanding proposal with the head's predictions: ``root_prediction`` at the text's last token and
+    one per node that went through a forward (``None`` for the deepest level)."""
+
+    base_length: int
+    root_prediction: torch.Tensor | None
+    node_predictions: tuple[torch.Tensor | None, ...]
+
+
+@dataclass(kw_only=True)
+class _Sequence(SampledSequence):
+    keys: list[torch.Tensor]  # per layer [kv_heads, capacity, head_dim]: head positions 1 .. committed
+    values: list[torch.Tensor]
+    committed: int = 0  # head positions with KV (1 .. committed), each read from a true feature
+    features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [capacity, hidden]
+    num_features: int = 0  # true features F_0 .. F_(num_features - 1)
+    predicted: dict[int, torch.Tensor] = field(default_factory=dict)  # text position -> the head's g there
+
+
+@dataclass
+class _Slot:
+    """One sequence's rows in a packed head forward, and the scratch K/V its rows add."""
+
+    sequence: _Sequence
+    row: int
+    size: int
+    mask: torch.Tensor  # bool [size, committed + scratch + size]
+    scratch_keys: list[torch.Tensor]
+    scratch_values: list[torch.Tensor]
+
+
+class _PackedAttention:
+    """Attention of packed rows, per sequence over its committed head KV, its scratch and its new rows."""
+
+    def __init__(self, slots: list[_Slot]) -> None:
+        self.slots = slots
+
+    def __call__(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for slot in self.slots:
+            rows = slice(slot.row, slot.row + slot.size)
+            state = slot.sequence
+            new_keys, new_values = key[0, :, rows], value[0, :, rows]  # [kv_heads, size, head_dim]
+            keys = torch.cat([state.keys[index][:, : state.committed], slot.scratch_keys[index], new_keys], dim=1)
+            values = torch.cat(
+                [state.values[index][:, : state.committed], slot.scratch_values[index], new_values], dim=1
+            )
+            slot.scratch_keys[index] = torch.cat([slot.scratch_keys[index], new_keys], dim=1)
+            slot.scratch_values[index] = torch.cat([slot.scratch_values[index], new_values], dim=1)
+            outputs.append(scaled_attention(query[:, :, rows], keys[None], values[None], slot.mask))
+        return torch.cat(outputs, dim=2)
+
+
+@dataclass
+class _Round:
+    """One sequence's draft this round: the tree, the pending rows, and the predictions made."""
+
+    draft: TreeDraft
+    pending_tokens: list[int]
+    pending_features: list[torch.Tensor]
+    true_pending: int  # leading pending rows read from true features (committed to KV after the round)
+    scratch_keys: list[torch.Tensor]
+    scratch_values: list[torch.Tensor]
+    root_prediction: torch.Tensor | None = None
+    node_predictions: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class EagleDrafter(SequenceDrafter[_Sequence]):
+    """Chains or trees drafted by an EAGLE ``head``; batched across sequences (one forward per level)."""
+
+    def __init__(self, head: EagleHead, config: DraftConfig) -> None:
+        super().__init__(config, head.vocab_size)
+        self.head = head
+        self.max_seq_len = int(head.layer_config.max_position_embeddings)
+        attn = head.layers[0].self_attn
+        probe = torch.zeros(1, head.hidden_size)
+        self._kv_heads = attn.k_proj(probe).shape[-1] // attn.head_dim
+        self._head_dim = attn.head_dim
+
+    @classmethod
+    def load(cls, directory: Path, config: DraftConfig, *, hidden_size: int, vocab_size: int) -> EagleDrafter:
+        """The head stored in ``directory`` (checked against the target's sizes)."""
+        head, _ = load_head(directory, hidden_size=hidden_size, vocab_size=vocab_size)
+        return cls(head, config)
+
+    @property
+    def feature_width(self) -> int:
+        return self.head.hidden_size
+
+    def add_features(self, handle: int, start: int, rows: torch.Tensor) -> None:
+        """Store true features [R, hidden] of positions ``start ..``; they must continue (or overlap) what the
+        sequence holds. They may run past the text by what one round commits: the rows of accepted nodes come
+        before the commit that appends them."""
+        state = self._sequence(handle)
+        if rows.ndim != 2 or rows.shape[1] != self.feature_width:
+            raise InvalidArgumentError("features", f"need rows of width {self.feature_width}, got {tuple(rows.shape)}")
+        end = start + len(rows)
+        if not 0 <= start <= state.num_features or end > len(state.text) + state.config.max_nodes:
+            raise InvalidArgumentError(
+                "features",
+                f"rows {start}..{end - 1} do not continue the {state.num_features} held, or run past a text of "
+                f"{len(state.text)} tokens by more than one round",
+            )
+        if end > state.features.shape[0]:
+            grown = torch.empty(max(end, 2 * state.features.shape[0], 64), self.feature_width)
+            if state.num_features:
+                grown[: state.num_features] = state.features[: state.num_features]
+            state.features = grown
+        state.features[start:end] = rows.float()
+        if start < state.num_features and state.committed > start:  # re-sent rows: head KV read the old ones
+            state.committed = start
+        state.num_features = max(state.num_features, end)
+
+    @torch.inference_mode()
+    def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
+        rounds: list[_Round | None] = []
+        for state, budget in zip(self._sequences_for(handles, max_tokens), max_tokens, strict=True):
+            rounds.append(self._plan(state, budget))
+        growing = [r for r in rounds if r is not None]
+        if growing:
+            self._forward_pending(growing)
+            for depth in range(1, max(r.draft.levels for r in growing)):
+                level = [r for r in growing if depth < r.draft.levels and r.draft.frontier]
+                level = [r for r in level if len(r.draft.tokens) < r.draft.budget]
+                if not level:
+                    break
+                self._forward_level(level, depth)
+        proposals = []
+        for state, plan in zip((self._sequence(h) for h in handles), rounds, strict=True):
+            if plan is None:
+                state.outstanding = _Drafted(TokenTree.empty(), (), len(state.text), None, ())
+                proposals.append(Proposal(TokenTree.empty(), None))
+                continue
+            self._commit_true_rows(state, plan)
+            draft = plan.draft
+            tree = draft.tree
+            predictions = plan.node_predictions + [None] * (len(tree) - len(plan.node_predictions))
+            state.outstanding = _Drafted(
+                tree,
+                tuple(most_probable_leaf_path(tree, draft.path_probs)),
+                len(state.text),
+                plan.root_prediction,
+                tuple(predictions),
+            )
+            proposals.append(draft_proposal(draft))
+        return proposals
+
+    def _plan(self, state: _Sequence, budget: int) -> _Round | None:
+        """This round's pending rows and depth, or None when the sequence cannot draft (no features yet)."""
+        length = len(state.text)
+        room = self.max_seq_len - length  # a depth-d node reads head position length + d - 1
+        levels = max(0, min(state.config.num_draft_tokens, room))
+        budget = min(budget, state.config.max_nodes)
+        if length < 2 or levels == 0 or budget <= 0:
+            return None
+        tokens, features = [], []
+        for position in range(state.committed + 1, length):  # head position i reads (t_i, F_(i-1))
+            feature = self._feature(state, position - 1)
+            if feature is None:
+                return None
+            tokens.append(state.text[position])
+            features.append(feature)
+        true_rows = max(0, min(length - 1, state.num_features) - state.committed)  # true features: a prefix
+        empty = [torch.empty(self._kv_heads, 0, self._head_dim) for _ in self.head.layers]
+        return _Round(TreeDraft(state, budget, levels), tokens, features, true_rows, list(empty), list(empty))
+
+    def _feature(self, state: _Sequence, position: int) -> torch.Tensor | None:
+        if position < state.num_features:
+            return state.features[position]
+        return state.predicted.get(position)
+
+    def _forward_pending(self, rounds: list[_Round]) -> None:
+        """Forward every round's pending rows; the last row's prediction grows the first level."""
+        slots, tokens, features, positions = [], [], [], []
+        for plan in rounds:
+            state, size = plan.draft.sequence, len(plan.pending_tokens)
+            mask = attention_mask(state.committed, size, TokenTree.empty())
+            slots.append(_Slot(state, len(tokens), size, mask, plan.scratch_keys, plan.scratch_values))
+            tokens += plan.pending_tokens
+            features += plan.pending_features
+            positions += range(state.committed + 1, state.committed + 1 + size)
+        predicted = self._run(slots, tokens, features, positions)
+        for plan, slot in zip(rounds, slots, strict=True):
+            plan.root_prediction = predicted[slot.row + slot.size - 1]
+            self._grow(plan, [plan.root_prediction], levels_left=plan.draft.levels)
+
+    def _forward_level(self, rounds: list[_Round], depth: int) -> None:
+        """Forward the frontier (nodes of depth ``depth - 1``), each reading its parent's prediction."""
+        slots, tokens, features, positions = [], [], [], []
+        for plan in rounds:
+            draft = plan.draft
+            state, frontier = draft.sequence, draft.frontier
+            forwarded = TokenTree(tuple(draft.tokens), tuple(draft.parents))  # every node so far, BFS order
+            full = attention_mask(state.committed, len(plan.pending_tokens), forwarded)
+            mask = full[[len(plan.pending_tokens) + node for node in frontier]]
+            slots.append(_Slot(state, len(tokens), len(frontier), mask, plan.scratch_keys, plan.scratch_values))
+            for node in frontier:
+                parent = draft.parents[node]
+                tokens.append(draft.tokens[node])
+                features.append(plan.root_prediction if parent < 0 else plan.node_predictions[parent])
+            positions += [len(state.text) + depth - 1] * len(frontier)
+        predicted = self._run(slots, tokens, features, positions)
+        for plan, slot in zip(rounds, slots, strict=True):
+            frontier = plan.draft.frontier
+            rows = predicted[slot.row : slot.row + slot.size]
+            plan.node_predictions += [None] * (len(plan.draft.tokens) - len(plan.node_predictions))
+            for node, row in zip(frontier, rows, strict=True):
+                plan.node_predictions[node] = row
+            self._grow(plan, list(rows), levels_left=plan.draft.levels - depth)
+
+    def _run(
+        self, slots: list[_Slot], tokens: list[int], features: list[torch.Tensor], positions: list[int]
+    ) -> torch.Tensor:
+        """Packed head forward; the slots' scratch lists (the rounds' own) gain the new K/V. Returns the
+        predicted features [rows, hidden]."""
+        predicted = self.head.forward_rows(
+            torch.tensor([tokens]), torch.stack(features)[None], torch.tensor([positions]), _PackedAttention(slots)
+        )
+        return predicted[0]
+
+    def _grow(self, plan: _Round, predictions: list[torch.Tensor], levels_left: int) -> None:
+        """Children of the frontier from the frontier's predictions (rows in frontier order)."""
+        draft = plan.draft
+        logits = self.head.logits(torch.stack(predictions)).float()  # [F, K]
+        full = torch.full((1 + len(draft.tokens), self.vocab_size), float("-inf"))
+        rows = [node + 1 for node in draft.frontier]  # the root is -1: row 0
+        full[torch.tensor(rows)[:, None], self.head.draft_to_target[None, :]] = logits  # q = 0 off the draft vocab
+        grow_level(draft, full, levels_left)
+
+    def _commit_true_rows(self, state: _Sequence, plan: _Round) -> None:
+        """Append the K/V of the leading pending rows read from true features to the head's KV."""
+        count = plan.true_pending
+        if count <= 0:
+            return
+        end = state.committed + count
+        for index in range(len(state.keys)):
+            for buffers, scratch in ((state.keys, plan.scratch_keys), (state.values, plan.scratch_values)):
+                buffer = buffers[index]
+                if end > buffer.shape[1]:  # doubling: the only copy of committed KV
+                    grown = buffer.new_empty(buffer.shape[0], max(end, 2 * buffer.shape[1], 64), buffer.shape[2])
+                    grown[:, : state.committed] = buffer[:, : state.committed]
+                    buffers[index] = buffer = grown
+                buffer[:, state.committed : end] = scratch[index][:, :count]
+        state.committed = end
+
+    def _start(
+        self, prompt: list[int], params: SamplingParams, generator: torch.Generator, config: DraftConfig
+    ) -> _Sequence:
+        if len(prompt) > self.max_seq_len:
+            raise InvalidArgumentError(
+                "prompt", f"{len(prompt)} tokens exceed the head's context of {self.max_seq_len}"
+            )
+        empty = [torch.empty(self._kv_heads, 0, self._head_dim) for _ in self.head.layers]
+        return _Sequence(
+            text=prompt, config=config, params=params, generator=generator, keys=list(empty), values=list(empty)
+        )
+
+    def _resync(self, state: _Sequence, text: list[int], path: list[int] | None) -> None:
+        drafted, state.outstanding = state.outstanding, None
+        agree = common_prefix_length(state.text, text)
+        # F_p depends on t_0 .. t_p; rows past the old text came for this new text (given before the commit)
+        state.num_features = min(state.num_features, len(text) if agree == len(state.text) else agree)
+        state.committed = min(state.committed, max(agree - 1, 0), state.num_features)
+        state.predicted = {p: g for p, g in state.predicted.items() if state.num_features <= p < agree}
+        if path and isinstance(drafted, _Drafted) and drafted.base_length == len(state.text) <= agree:
+            # the text follows ``path`` of the proposal: its predictions stand in until true features arrive
+            base = drafted.base_length
+            if drafted.root_prediction is not None:
+                state.predicted.setdefault(base - 1, drafted.root_prediction)
+            for depth, node in enumerate(path):
+                prediction = drafted.node_predictions[node]
+                if prediction is not None and base + depth >= state.num_features:
+                    state.predicted[base + depth] = prediction
+            state.predicted = {p: g for p, g in state.predicted.items() if p >= state.num_features}
+        state.text = text
