@@ -1,10 +1,12 @@
 """``make demo``: the real serving path on smollm2-135m, with and without speculation.
 
-``specdec up`` places a verifier, an ngram drafter, an early-exit drafter and the router on a local
-Ray instance; three real prompts then go through the SDK with speculation off, with the ngram drafter
-and with the early-exit drafter (both pipelined), and one more over the OpenAI-compatible HTTP API.
-Greedy, so every configuration must produce the same tokens; the table shows what speculation
-bought. ``specdec down`` always runs at the end. About two to three minutes on two CPU cores.
+First the EAGLE head: the one cached for the target (``specdec distill --target smollm2-135m``, the full budget
+the benchmarks use) or, on a fresh machine, one trained now on a small budget (a few minutes; weaker). Then
+``specdec up`` places a verifier, an eagle, an ngram and an early-exit drafter and the router on a local Ray
+instance; three real prompts go through the SDK with speculation off and with each drafter, and one more over
+the OpenAI-compatible HTTP API. Greedy, so every configuration must produce the same tokens; the table shows
+what speculation bought. ``specdec down`` always runs at the end. Three minutes with a cached head, up to ten
+without, on two CPU cores.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from bench.colocated import PROMPTS, load_prompts
+from specdec.cache import default_head_dir
 from specdec.client import Client, GenerateResult
+from specdec.drafters.eagle_head import CONFIG_FILE
 
 TARGET = "smollm2-135m"
 MAX_TOKENS = 64
 CATEGORIES = ("code", "rewrite", "chat")
+FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --data-minutes 60 --minutes 35"
+DEMO_HEAD_ARGS = ["--target", TARGET, "--data-minutes", "2.5", "--minutes", "2.5", "--held-out-prompts", "16"]
 UP_ARGS = [
     "--target", TARGET,
+    "--drafter-kind", "eagle",
     "--drafter-kind", "ngram",
     "--drafter-kind", "early-exit",
     "--num-cpus", "2",
@@ -32,6 +39,8 @@ UP_ARGS = [
 ]  # fmt: skip
 CONFIGS = {  # name -> SDK options
     "speculation off": {"speculation": "off"},
+    "eagle, sequential": {"speculation": "sequential", "drafter": "eagle"},
+    "eagle, pipelined": {"speculation": "pipelined", "drafter": "eagle"},
     "ngram, pipelined": {"speculation": "pipelined", "drafter": "ngram"},
     "early-exit, pipelined": {"speculation": "pipelined", "drafter": "early-exit"},
 }
@@ -125,14 +134,32 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
         "over the client's end-to-end time (prefill included).\nThe early-exit drafter runs the target's first "
         "quarter of layers with its final norm and LM head (no trained exit head): on a 135M model it rarely "
         "guesses right,\nso it costs more than it saves here; what it shows is that every drafter gives the same "
-        "tokens as no speculation."
+        "tokens as no speculation.\nThe eagle drafter is a one-layer head trained on the target's own outputs "
+        f"and features (the target's features travel to it with every verdict); the full head: `{FULL_HEAD_COMMAND}`."
     )
+
+
+def ensure_head() -> None:
+    """Reuse the cached head for the target, or train a small one now (the full one takes about 95 minutes)."""
+    head = default_head_dir(TARGET)
+    if (head / CONFIG_FILE).is_file():
+        print(f"EAGLE head: cached in {head}\n", flush=True)
+        return
+    print(f"EAGLE head: none cached in {head}; training a small one now (about 6 minutes; the full one: "
+          f"`{FULL_HEAD_COMMAND}`) …", flush=True)  # fmt: skip
+    started = time.perf_counter()
+    summary = json.loads(specdec("distill", *DEMO_HEAD_ARGS, timeout_s=1200).strip().splitlines()[-1])
+    print(f"  {summary['examples']} conversations, {summary['training_tokens']} response tokens, "
+          f"{time.perf_counter() - started:.0f} s\n", flush=True)  # fmt: skip
 
 
 def main() -> int:
     rows = load_prompts(PROMPTS, set(CATEGORIES))
     prompts = [next(row for row in rows if row["category"] == category) for category in CATEGORIES]
-    print(f"specdec up: verifier + ngram drafter + early-exit drafter + router for {TARGET} on local Ray …", flush=True)
+    ensure_head()
+    print(
+        f"specdec up: verifier + eagle, ngram and early-exit drafters + router for {TARGET} on local Ray …", flush=True
+    )
     started = time.perf_counter()
     failed = True
     try:

@@ -45,7 +45,6 @@ from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 
 VOCAB_FILE = "draft-vocab.pt"
-HELD_OUT_PROMPTS = 64  # enough to rank checkpoints; the benchmarks use the whole held-out split
 
 
 def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argparse.Namespace], int]:
@@ -64,6 +63,8 @@ def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argpar
     parser.add_argument("--unroll-steps", type=int, default=3, help="training-time unrolled steps (1: none)")
     parser.add_argument("--feature-weight", type=float, default=0.2, help="weight of the feature regression loss")
     parser.add_argument("--learning-rate", type=float, default=6e-4)
+    parser.add_argument("--held-out-prompts", type=int, default=64, help="held-out prompts that rank checkpoints")
+    parser.add_argument("--fp32", action="store_true", help="train in float32 (default: bfloat16 autocast)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the target generates and the head trains")
     return run_distill
@@ -93,6 +94,7 @@ def run_distill(args: argparse.Namespace) -> int:
         unroll_steps=args.unroll_steps,
         feature_weight=args.feature_weight,
         seed=args.seed,
+        bf16=not args.fp32,
     )
     batches = make_batches(train_examples, config.batch_tokens, config.max_length)
     held_out_batches = make_batches(held_out, config.batch_tokens, config.max_length)
@@ -147,7 +149,7 @@ def collect_data(target: LoadedModel, args: argparse.Namespace, data_dir: Path) 
         for split, rows in splits.items():
             _fill(data_dir / split, rows, teacher_force)
         return read_shards(data_dir / "train"), read_shards(data_dir / "heldout")
-    held = load_prompt_set("heldout")[:HELD_OUT_PROMPTS]
+    held = load_prompt_set("heldout")[: args.held_out_prompts]
     train_rows = load_prompt_set("train")
     random.Random(args.seed).shuffle(train_rows)  # a time-bounded run still sees every category
 
