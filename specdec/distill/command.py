@@ -45,6 +45,7 @@ from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 
 VOCAB_FILE = "draft-vocab.pt"
+SUMMARY_FILE = "train-summary.json"  # what the saved head cost: data, minutes, tokens, held-out agreement
 
 
 def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argparse.Namespace], int]:
@@ -63,6 +64,10 @@ def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argpar
     parser.add_argument("--unroll-steps", type=int, default=3, help="training-time unrolled steps (1: none)")
     parser.add_argument("--feature-weight", type=float, default=0.2, help="weight of the feature regression loss")
     parser.add_argument("--learning-rate", type=float, default=6e-4)
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    parser.add_argument(
+        "--snapshot-minutes", default="", help="comma-separated training minutes at which to keep a copy of the head"
+    )
     parser.add_argument("--held-out-prompts", type=int, default=64, help="held-out prompts that rank checkpoints")
     parser.add_argument("--fp32", action="store_true", help="train in float32 (default: bfloat16 autocast)")
     parser.add_argument("--seed", type=int, default=0)
@@ -93,6 +98,7 @@ def run_distill(args: argparse.Namespace) -> int:
         learning_rate=args.learning_rate,
         unroll_steps=args.unroll_steps,
         feature_weight=args.feature_weight,
+        eval_every=args.eval_every,
         seed=args.seed,
         bf16=not args.fp32,
     )
@@ -100,9 +106,25 @@ def run_distill(args: argparse.Namespace) -> int:
     held_out_batches = make_batches(held_out, config.batch_tokens, config.max_length)
     info = HeadInfo(verifier=args.target, num_draft_tokens=4)
     best: list[float] = [-1.0]
+    snapshots = sorted(float(m) for m in args.snapshot_minutes.split(",") if m.strip())
+    seen = [0]
     bar = tqdm(total=config.steps, desc="distill", unit="step", file=sys.stderr)
+    train_started = time.monotonic()
 
-    def on_step(step: int, loss: float) -> None:
+    def summary(result: EvalResult) -> dict:
+        return {
+            "out": str(out),
+            "examples": len(train_examples),
+            "training_tokens": sum(e.response_length for e in train_examples),
+            "tokens_seen": seen[0],
+            "draft_vocab": len(vocab),
+            "data_minutes": round(data_minutes, 2),
+            "train_minutes": round((time.monotonic() - train_started) / 60, 2),
+            "held_out_agreement": [round(a, 4) for a in result.agree],
+        }
+
+    def on_step(step: int, loss: float, tokens: int) -> None:
+        seen[0] += tokens
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
 
@@ -112,23 +134,24 @@ def run_distill(args: argparse.Namespace) -> int:
         if score > best[0]:  # early stopping: keep the head that agrees best on prompts it never saw
             best[0] = score
             save_head(head, out, info)
+            _write_summary(out, summary(result))
+        minutes = (time.monotonic() - train_started) / 60
+        while snapshots and minutes >= snapshots[0]:  # the same run at a smaller budget, for the scaling table
+            copy = out / "snapshots" / f"{snapshots.pop(0):g}min"
+            save_head(head, copy, info)
+            _write_summary(copy, summary(result))
 
-    train_started = time.monotonic()
     result = train(head, batches, held_out_batches, config, checkpoint_dir=out, on_eval=on_eval, on_step=on_step)
     bar.close()
     if best[0] < 0:
         save_head(head, out, info)
-    summary = {
-        "out": str(out),
-        "examples": len(train_examples),
-        "training_tokens": sum(e.response_length for e in train_examples),
-        "draft_vocab": len(vocab),
-        "data_minutes": round(data_minutes, 2),
-        "train_minutes": round((time.monotonic() - train_started) / 60, 2),
-        "held_out_agreement": [round(a, 4) for a in result.agree],
-    }
-    print(json.dumps(summary))
+        _write_summary(out, summary(result))
+    print(json.dumps(summary(result)))
     return 0
+
+
+def _write_summary(directory: Path, summary: dict) -> None:
+    (directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def collect_data(target: LoadedModel, args: argparse.Namespace, data_dir: Path) -> tuple[list[Example], list[Example]]:

@@ -232,13 +232,13 @@ def train(
     *,
     checkpoint_dir: Path | None = None,
     on_eval: Callable[[int, EvalResult], None] | None = None,
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[int, float, int], None] | None = None,
 ) -> EvalResult:
     """Train ``head`` in place; returns the last held-out evaluation.
 
     With ``checkpoint_dir`` the optimiser state is saved there every evaluation and a rerun resumes from it.
     ``on_eval(step, result)`` sees every evaluation (the caller keeps the best head); ``on_step(step, loss)``
-    every step (a progress bar).
+    every step with its loss and the response tokens it trained on (a progress bar).
     """
     if not batches:
         raise InvalidArgumentError("data", "no training examples (every response was empty?)")
@@ -273,7 +273,7 @@ def train(
         optimiser.step()
         step += 1
         if on_step is not None:
-            on_step(step, float(loss.detach()))
+            on_step(step, float(loss.detach()), batch.num_tokens)
         if step % config.eval_every == 0 or _done(config, step, time.monotonic() - started):
             result = evaluate(head, held_out, config)
             if on_eval is not None:
