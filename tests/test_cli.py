@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import specdec.cli
 from specdec.cli import encode_prompt, main
+from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
 from specdec.engine import Engine, GenerationRequest
 from specdec.models import load_model
 from specdec.runner import KVRunner
@@ -201,3 +203,32 @@ def test_generate_text(capsys, cached_target) -> None:
     assert out == target.tokenizer.decode(expected.token_ids, skip_special_tokens=True) + "\n"
     summary = err.strip().splitlines()[-1]
     assert summary.startswith(f"[{expected.finish_reason}] {len(expected.token_ids)} tokens in ")
+
+
+def run_command(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.mark.parametrize("size", ["0", "17"])
+def test_distill_refuses_a_draft_vocabulary_outside_the_targets(
+    size: str, capsys: pytest.CaptureFixture[str], tiny_dir: Path, tmp_path: Path
+) -> None:
+    status, _, stderr = run_command(
+        capsys, "distill", "--target", str(tiny_dir), "--draft-vocab", size, "--out", str(tmp_path)
+    )
+    assert status == 2
+    assert error_line(stderr) == f"{ERROR_PREFIX}draft_vocab: must be in [1, 16] (the target's vocabulary), got {size}"
+
+
+def test_an_eagle_head_made_for_another_target_is_one_line(
+    capsys: pytest.CaptureFixture[str], tiny_dir: Path, tmp_path: Path
+) -> None:
+    other = tiny_llama(seed=4, vocab_size=32)
+    save_head(EagleHead.from_target(other.model, torch.arange(32)), tmp_path, HeadInfo("other", 4))
+    status, _, stderr = run_main(
+        capsys, "x", "--target", str(tiny_dir), "--drafter", "eagle", "--draft-model", str(tmp_path)
+    )
+    assert status == 2
+    assert "draft_model: head vocabulary 32 != the target's 16" in error_line(stderr)
