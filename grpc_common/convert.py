@@ -4,6 +4,11 @@ A drafter truncates its own distribution (its top-k), so ``q`` has small support
 as packed little-endian int32 ids and float32 probabilities, bit-exact, and expanded back into a
 dense row with exact zeros outside the support (DESIGN §5). Siblings that were drawn from one
 distribution share one row on the wire.
+
+The target's feature rows (what an EAGLE drafter drafts from) travel as one ``FeatureRows`` block: ``width``
+values per row, packed little-endian row-major in float16 (the default), bfloat16 or float32; the row count
+follows from the byte length. They are cast with torch's rounding on the way out and widened exactly to
+float32 on the way in.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ import torch
 from specdec_wire.v1 import common_pb2
 
 from specdec.drafters.base import Proposal
+from specdec.errors import InvalidArgumentError
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
+
+MAX_FEATURE_ROWS = 1 << 17  # positions in one FeatureRows: more than any context served here
 
 _SCHEME_TO_WIRE = {
     "iid": common_pb2.SIBLING_SAMPLING_IID,
@@ -25,6 +33,18 @@ _SCHEME_FROM_WIRE = {
     common_pb2.SIBLING_SAMPLING_IID: "iid",
     common_pb2.SIBLING_SAMPLING_WITHOUT_REPLACEMENT: "without_replacement",
 }
+
+
+_FEATURE_DTYPE_TO_WIRE = {
+    torch.float16: common_pb2.FEATURE_DTYPE_FLOAT16,
+    torch.bfloat16: common_pb2.FEATURE_DTYPE_BFLOAT16,
+    torch.float32: common_pb2.FEATURE_DTYPE_FLOAT32,
+}
+_FEATURE_DTYPE_FROM_WIRE = {
+    common_pb2.FEATURE_DTYPE_UNSPECIFIED: torch.float16,
+    **{wire: dtype for dtype, wire in _FEATURE_DTYPE_TO_WIRE.items()},
+}
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32}  # the bits of a value, as an integer of its size
 
 
 def sampling_to_wire(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -90,3 +110,49 @@ def _sparse_row(row: torch.Tensor) -> common_pb2.SparseRow:
     return common_pb2.SparseRow(
         ids=ids.numpy().astype("<i4").tobytes(), probs=row[ids].float().numpy().astype("<f4").tobytes()
     )
+
+
+def feature_dtype_from_wire(value: int) -> torch.dtype:
+    """The torch dtype of a ``FeatureDtype`` (unset: float16); raises InvalidArgumentError for unknown values."""
+    dtype = _FEATURE_DTYPE_FROM_WIRE.get(value)
+    if dtype is None:
+        raise InvalidArgumentError("feature_dtype", f"unknown feature dtype {value}")
+    return dtype
+
+
+def features_to_wire(rows: torch.Tensor, start: int, dtype: torch.dtype) -> common_pb2.FeatureRows:
+    """Encode ``rows`` [R, width] (any device and float dtype) of positions ``start ..`` in ``dtype``."""
+    cast = rows.detach().to("cpu", dtype).contiguous()
+    size = cast.element_size()
+    data = cast.view(_SAME_SIZE_INT[size]).numpy().astype(f"<i{size}").tobytes()
+    return common_pb2.FeatureRows(start=start, width=rows.shape[1], dtype=_FEATURE_DTYPE_TO_WIRE[dtype], data=data)
+
+
+def features_from_wire(
+    message: common_pb2.FeatureRows, *, width: int | None = None, max_rows: int = MAX_FEATURE_ROWS
+) -> tuple[int, torch.Tensor]:
+    """``(start, rows)``: the rows [R, width] as float32, exactly the values sent.
+
+    Checked before anything is allocated: ``message.width`` positive (and equal to ``width`` when given), a known dtype,
+    the byte length a whole number of rows, at most ``max_rows`` rows, ``start`` >= 0; else InvalidArgumentError
+    naming ``features``.
+    """
+    if message.width <= 0:
+        raise InvalidArgumentError("features", f"width must be > 0, got {message.width}")
+    if width is not None and message.width != width:
+        raise InvalidArgumentError("features", f"rows of width {message.width}, expected {width}")
+    dtype = _FEATURE_DTYPE_FROM_WIRE.get(message.dtype)
+    if dtype is None:
+        raise InvalidArgumentError("features", f"unknown dtype {message.dtype}")
+    if message.start < 0:
+        raise InvalidArgumentError("features", f"start must be >= 0, got {message.start}")
+    size = dtype.itemsize
+    row_bytes = message.width * size
+    if len(message.data) % row_bytes:
+        raise InvalidArgumentError("features", f"{len(message.data)} bytes are not whole rows of {row_bytes} bytes")
+    count = len(message.data) // row_bytes
+    if count > max_rows:
+        raise InvalidArgumentError("features", f"{count} rows; at most {max_rows} in one message")
+    bits = np.frombuffer(message.data, dtype=f"<i{size}").astype(f"=i{size}")  # a native copy torch can own
+    rows = torch.from_numpy(bits).view(dtype).float()
+    return message.start, rows.view(count, message.width)
