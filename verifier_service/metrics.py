@@ -1,6 +1,7 @@
 """The verifier's Prometheus series, in a registry of its own; served when ``--metrics-port`` is given.
 
-The scheduler records batches and queue lengths (it owns them), the servicer the bytes of each Verify request.
+The scheduler records batches and queue lengths (it owns them), the servicer the bytes of each Verify request and of
+the feature rows in each reply.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class VerifierMetrics:
         self.waiting = Gauge(
             "vllm:num_requests_waiting", "Verify calls queued for the next batch.", ["model_name"], registry=registry
         ).labels(model_name)
-        self.received_bytes = Counter(
-            "specdec:wire_bytes", "Bytes of Verify requests received.", ["direction"], registry=registry
-        ).labels("received")
+        wire_bytes = Counter(
+            "specdec:wire_bytes",
+            "Bytes of Verify requests received (received) and of the feature rows sent with verdicts (features).",
+            ["direction"],
+            registry=registry,
+        )
+        self.received_bytes = wire_bytes.labels("received")
+        self.feature_bytes = wire_bytes.labels("features")

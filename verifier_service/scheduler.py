@@ -21,6 +21,10 @@ carried one; a CloseSequence frees the sequence at once and fails its carried ca
 sequence; a carried call whose caller has gone is dropped. Only a call whose draft tree alone exceeds the budget
 still runs alone, over it.
 
+A sequence opened with a feature dtype gets the target's feature rows with every outcome (an EAGLE drafter drafts from
+them), on the host in that dtype, until a Verify asks to stop them (its drafter is gone; the rows the core still
+computes are dropped from then on).
+
 The scheduler records the service's metrics (:class:`~verifier_service.metrics.VerifierMetrics`): batch sizes
 and forward times as batches run, queued calls as they come and go, open sequences after each set of jobs.
 """
@@ -31,7 +35,9 @@ import logging
 import time
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from grpc_common.memory import IdleTrim
 from grpc_common.scheduler import BatchJob, BatchScheduler, Budget, Job
@@ -87,6 +93,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         self.metrics = VerifierMetrics() if metrics is None else metrics
         self.max_batch_tokens = max_batch_tokens
         self._calls = self._batches = self._max_batch = 0  # scheduler thread only
+        self._feature_dtypes: dict[str, torch.dtype] = {}  # the dtype of each sequence's feature rows; ditto
 
     # --- called from handler threads; each returns a Future ---------------------------------------------------
 
@@ -100,8 +107,10 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         eos_token_ids: Collection[int],
         ignore_eos: bool,
         logprobs: bool,
+        features: torch.dtype | None = None,
     ) -> Future:
-        """:meth:`BatchVerifier.open` on the scheduler thread; -> None."""
+        """:meth:`BatchVerifier.open` on the scheduler thread; -> None. ``features``: the dtype the sequence's feature
+        rows are handed over in (None: it takes none)."""
 
         def run() -> None:
             self.verifier.open(
@@ -113,17 +122,28 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
                 eos_token_ids,
                 ignore_eos=ignore_eos,
                 logprobs=logprobs,
+                features=features is not None,
             )
+            if features is not None:
+                self._feature_dtypes[sequence_id] = features
 
         return self.submit(sequence_id, run)
 
-    def verify(self, call: VerifyCall) -> Future:
-        """Verify ``call`` in the next batch; -> :class:`VerifyOutcome`."""
+    def verify(self, call: VerifyCall, *, stop_features: bool = False) -> Future:
+        """Verify ``call`` in the next batch (``stop_features``: after dropping the sequence's feature rows, from this
+        outcome on); -> :class:`VerifyOutcome`."""
+        if stop_features:
+            self.submit(call.sequence_id, lambda: self._feature_dtypes.pop(call.sequence_id, None))
         return self.submit_batched(call.sequence_id, call)
 
     def close(self, sequence_id: str) -> Future:
         """Free ``sequence_id`` (unknown ids are fine); -> None."""
-        return self.submit(sequence_id, lambda: self.verifier.close(sequence_id))
+
+        def run() -> None:
+            self._feature_dtypes.pop(sequence_id, None)
+            self.verifier.close(sequence_id)
+
+        return self.submit(sequence_id, run)
 
     def status(self) -> Future:
         """-> :class:`SchedulerStatus`."""
@@ -151,6 +171,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         LOG.info("answered %d Verify calls in %d batches (largest %d)", self._calls, self._batches, self._max_batch)
         for sequence_id in self.verifier.sequence_ids():
             self.verifier.close(sequence_id)
+        self._feature_dtypes.clear()
 
     def _prefills(self, call: VerifyCall) -> bool:
         """Whether ``call``, over the budget, can be carried while its prompt is prefilled; a call that fails its
@@ -206,4 +227,11 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
             self._batches += 1
             self._max_batch = max(self._max_batch, len(ready))
         for job, outcome in zip(ready, outcomes, strict=True):
-            job.future.set_result(outcome)
+            job.future.set_result(self._handed_over(job.sequence_id, outcome))
+
+    def _handed_over(self, sequence_id: str, outcome: VerifyOutcome) -> VerifyOutcome:
+        """``outcome`` with its feature rows on the host in the sequence's dtype, or none once it stopped them."""
+        if outcome.features is None:
+            return outcome
+        dtype = self._feature_dtypes.get(sequence_id)
+        return replace(outcome, features=None if dtype is None else outcome.features.to("cpu", dtype))

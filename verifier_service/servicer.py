@@ -3,7 +3,9 @@
 Domain errors raised below become status codes in :mod:`grpc_common.errors` (bad fields: INVALID_ARGUMENT,
 unknown sequence: NOT_FOUND, too many sequences or queued calls: RESOURCE_EXHAUSTED). Only the waiting is
 gRPC-specific: a call that ends (deadline, cancel) before its job ran drops the job, and a stopping scheduler
-answers UNAVAILABLE. ``Batch`` carries many calls in one message (:mod:`grpc_common.batch`).
+answers UNAVAILABLE. ``Batch`` carries many calls in one message (:mod:`grpc_common.batch`). A sequence opened
+with ``features`` gets the target's feature rows with every verdict, encoded here in the dtype it asked for
+(:func:`~grpc_common.convert.features_to_wire`), until a Verify says ``stop_features``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 from grpc_common.batch import Submitted, answer_batch
-from grpc_common.convert import proposal_from_wire, sampling_from_wire
+from grpc_common.convert import feature_dtype_from_wire, features_to_wire, proposal_from_wire, sampling_from_wire
 from specdec.errors import InvalidArgumentError
 from specdec.verification import VerifyCall, VerifyOutcome
 from verifier_service.scheduler import SchedulerStatus, SchedulerStoppedError, VerifyScheduler
@@ -65,6 +67,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.eos_token_ids,
             request.ignore_eos,
             request.logprobs,
+            feature_dtype_from_wire(request.feature_dtype) if request.features else None,
         )
         return Submitted(future, lambda _: verifier_pb2.OpenVerifyReply())
 
@@ -74,8 +77,21 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             proposal = proposal_from_wire(request.proposal, self.scheduler.verifier.runner.vocab_size)
         except ValueError as error:  # malformed tree or draft rows: name the field
             raise InvalidArgumentError("proposal", str(error)) from error
-        future = self.scheduler.verify(VerifyCall(request.sequence_id, proposal, request.defer_bonus))
-        return Submitted(future, _verify_reply)
+        call = VerifyCall(request.sequence_id, proposal, request.defer_bonus)
+        return Submitted(self.scheduler.verify(call, stop_features=request.stop_features), self._verify_reply)
+
+    def _verify_reply(self, outcome: VerifyOutcome) -> verifier_pb2.VerifyReply:
+        features = None
+        if outcome.features is not None:  # the scheduler handed them over in the sequence's wire dtype
+            features = features_to_wire(outcome.features, outcome.feature_start, outcome.features.dtype)
+            self.scheduler.metrics.feature_bytes.inc(features.ByteSize())
+        return verifier_pb2.VerifyReply(
+            verdict=verdict_to_wire(outcome),
+            verify_ns=round(outcome.verify_s * 1e9),
+            state_ns=round(outcome.commit_s * 1e9),
+            batch_size=outcome.batch_size,
+            features=features,
+        )
 
     def _submit_close(self, request: verifier_pb2.CloseVerifyRequest) -> Submitted:
         return Submitted(self.scheduler.close(request.sequence_id), lambda _: verifier_pb2.CloseVerifyReply())
@@ -92,15 +108,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
 
         return Submitted(self.scheduler.status(), reply).answer(context, _UNAVAILABLE)
-
-
-def _verify_reply(outcome: VerifyOutcome) -> verifier_pb2.VerifyReply:
-    return verifier_pb2.VerifyReply(
-        verdict=verdict_to_wire(outcome),
-        verify_ns=round(outcome.verify_s * 1e9),
-        state_ns=round(outcome.commit_s * 1e9),
-        batch_size=outcome.batch_size,
-    )
 
 
 def verdict_to_wire(outcome: VerifyOutcome) -> common_pb2.Verdict:
