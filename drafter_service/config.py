@@ -9,10 +9,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
-from specdec.drafters import DraftConfig
+from specdec.drafters import DRAFTER_KINDS, DraftConfig
 from specdec.errors import InvalidArgumentError
 
-SERVED_KINDS: tuple[str, ...] = ("ngram", "model", "early-exit")
+SERVED_KINDS: tuple[str, ...] = tuple(kind for kind in DRAFTER_KINDS if kind != "none")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ENV_PREFIX = "SPECDEC_DRAFTER_"
 
@@ -22,8 +22,9 @@ class DrafterConfig:
     """Everything a drafter process needs; every field is also ``--field-name`` and ``SPECDEC_DRAFTER_FIELD_NAME``.
 
     ``target`` is the model the proposals are for: early exit drafts with its first ``early_exit_layers``
-    layers (default a quarter), the other kinds use its vocabulary to validate token ids (and the model
-    drafter checks that ``draft_model`` shares it). ``draft_top_k`` truncates ``q`` so it travels exactly
+    layers (default a quarter), eagle with the head trained on its features in the directory ``draft_model``
+    (default: the head cached for ``target``), the other kinds use its vocabulary to validate token ids (and
+    the model drafter checks that ``draft_model`` shares it). ``draft_top_k`` truncates ``q`` so it travels exactly
     as a sparse row (DESIGN §5). ``num_draft_tokens`` is the default γ when a sequence asks for 0.
     ``max_batch_size`` caps the Propose calls one drafter call answers; the scheduler waits up to
     ``batch_wait_ms`` after the first for more (0: takes what is queued). ``max_open_sequences`` bounds
@@ -96,7 +97,12 @@ class DrafterConfig:
 
         option("kind", str, "drafter kind", choices=SERVED_KINDS)
         option("target", str, "target model: alias, GGUF file, local directory or hub id")
-        option("draft_model", str, "draft model for --kind model (same tokenizer as the target)")
+        option(
+            "draft_model",
+            str,
+            "draft model for --kind model (same tokenizer as the target); for --kind eagle the head's directory "
+            "(default: the head `specdec distill` cached for --target)",
+        )
         option("early_exit_layers", int, "target layers the early-exit drafter runs (default: a quarter)")
         option("draft_top_k", int, "the drafter's own top-k truncation of q (0: none)")
         option("num_draft_tokens", int, "default chain length / tree depth")

@@ -18,6 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 from drafter_service.metrics import DrafterMetrics
 from grpc_common.scheduler import BatchJob, BatchScheduler
 from specdec.drafters import DraftConfig, Drafter
@@ -100,10 +102,26 @@ class DraftScheduler(BatchScheduler[_Propose]):
             raise InvalidArgumentError("max_tokens", f"must be >= 0, got {max_tokens}")
         return self.submit_batched(sequence_id, _Propose(max_tokens, assume_previous_accepted))
 
-    def commit(self, sequence_id: str, base_length: int, emitted: list[int]) -> Future:
-        """The committed text of ``sequence_id`` is now ``text[:base_length] + emitted``; -> None."""
+    def commit(
+        self,
+        sequence_id: str,
+        base_length: int,
+        emitted: list[int],
+        features: tuple[int, torch.Tensor] | None = None,
+    ) -> Future:
+        """The committed text of ``sequence_id`` is now ``text[:base_length] + emitted``; -> None.
+
+        ``features`` (``start, rows``: the verdict's target feature rows) are given to the drafter first.
+        """
         _check_id(sequence_id)
-        return self.submit(sequence_id, lambda: self.drafter.sync(self._handle(sequence_id), base_length, emitted))
+
+        def run() -> None:
+            handle = self._handle(sequence_id)
+            if features is not None:
+                self.drafter.add_features(handle, *features)
+            self.drafter.sync(handle, base_length, emitted)
+
+        return self.submit(sequence_id, run)
 
     def close(self, sequence_id: str) -> Future:
         """Free ``sequence_id`` (unknown ids are fine); -> None."""

@@ -32,7 +32,8 @@ def build_core_drafter(
     """The core drafter ``config`` describes, from ``target`` / ``draft`` when given, else loaded by name.
 
     An early-exit drafter that loaded the target itself keeps only the layers it runs (plus embeddings,
-    final norm and head); a target passed in is shared, never modified.
+    final norm and head); a target passed in is shared, never modified. An eagle drafter loads its head from the
+    directory ``config.draft_model`` (None: the head cached for the target).
     """
     dtype = getattr(torch, config.dtype)
     owned = target is None
@@ -44,7 +45,7 @@ def build_core_drafter(
         config.kind,
         target,
         config.draft_config(),
-        draft_model=draft,
+        draft_model=config.draft_model if config.kind == "eagle" else draft,
         early_exit_layers=config.early_exit_layers,
     )
     if owned and config.kind == "early-exit":

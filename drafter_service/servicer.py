@@ -2,7 +2,8 @@
 
 Domain errors raised below become status codes in :mod:`grpc_common.errors` (bad fields: INVALID_ARGUMENT,
 unknown sequence: NOT_FOUND, too many open sequences: RESOURCE_EXHAUSTED). ``Batch`` carries many calls in one
-message (:mod:`grpc_common.batch`).
+message (:mod:`grpc_common.batch`). A Commit's target feature rows are decoded and checked here (width: the
+drafter's ``feature_width``) and given to the drafter before the commit, on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 from drafter_service.scheduler import DraftScheduler, SchedulerStatus
 from grpc_common.batch import Submitted, answer_batch
-from grpc_common.convert import proposal_to_wire, sampling_from_wire
+from grpc_common.convert import features_from_wire, proposal_to_wire, sampling_from_wire
 from specdec.drafters import DraftConfig, Proposal
 
 _SIBLING_SAMPLING = {
@@ -39,6 +40,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.scheduler = scheduler
         self.kind = kind
         self.default_shape = default_shape
+        self.feature_width = scheduler.drafter.feature_width
 
     def OpenSequence(
         self, request: drafter_pb2.OpenDraftRequest, context: grpc.ServicerContext
@@ -85,7 +87,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return Submitted(future, _propose_reply)
 
     def _submit_commit(self, request: drafter_pb2.DraftCommitRequest) -> Submitted:
-        future = self.scheduler.commit(request.sequence_id, request.base_length, list(request.emitted))
+        features = None
+        if request.HasField("features"):
+            features = features_from_wire(request.features, width=self.feature_width)
+        future = self.scheduler.commit(request.sequence_id, request.base_length, list(request.emitted), features)
         return Submitted(future, lambda _: drafter_pb2.DraftCommitReply())
 
     def _submit_close(self, request: drafter_pb2.CloseDraftRequest) -> Submitted:
@@ -102,6 +107,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 proposals=status.proposals,
                 batches=status.batches,
                 max_batch=status.max_batch,
+                feature_width=self.feature_width,
             )
 
         return Submitted(self.scheduler.status(), reply).answer(context)
