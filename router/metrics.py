@@ -32,7 +32,7 @@ ROUND_BUCKETS = log_buckets(1e-4, 10.0, 5)  # draft / verify / state / round: 10
 OVERHEAD_BUCKETS = log_buckets(50e-6, 1.0, 10)  # fine: benches read p50 / p99 of the overhead from it
 
 FINISH_REASONS = ("stop", "length")
-WIRE_DIRECTIONS = ("draft", "verdict")
+WIRE_DIRECTIONS = ("draft", "verdict", "features")
 
 
 def failure_code(error: BaseException) -> str:
@@ -111,7 +111,10 @@ class RouterMetrics:
         self.pipeline_hits = counter("specdec:pipeline_hits", "Pipelined rounds whose pre-drafted chain was used.", [])
         self.pipeline_misses = counter("specdec:pipeline_misses", "Pipelined rounds that discarded it.", [])
         wire_bytes = counter(
-            "specdec:wire_bytes", "Bytes of proposals (draft) and verdicts (verdict) received.", ["direction"]
+            "specdec:wire_bytes",
+            "Bytes of proposals (draft) and verdicts (verdict) received, and of the verdicts' target feature rows "
+            "relayed to drafters (features).",
+            ["direction"],
         )
         self._wire_bytes = {direction: wire_bytes.labels(direction) for direction in WIRE_DIRECTIONS}
         self.drafter_fallbacks = counter(
@@ -143,6 +146,7 @@ class RouterMetrics:
         if record.pipeline_hit is not None:
             (self.pipeline_hits if record.pipeline_hit else self.pipeline_misses).inc()
         self._wire_bytes["verdict"].inc(verified.wire_bytes)
+        self._wire_bytes["features"].inc(verified.feature_bytes)
 
     # --- requests -----------------------------------------------------------------------------------------
 

@@ -8,6 +8,14 @@ A round, **sequential**: ``drafter.Propose`` → ``verifier.Verify(proposal)`` �
 ``drafter.Commit(base_length, emitted)`` (sent lazily, with the drafter's next call: carried on the next Propose,
 so both travel in one message).
 
+**Target features** (an EAGLE drafter, whose ``feature_width`` is > 0): the verifier sequence is opened with
+``features``, every verdict carries the target's feature rows of the positions that got KV, and the router relays
+them in their encoded form, untouched, on the drafter's Commit of that verdict, which applies them first. Rows
+follow each other from position 0, so the drafter has the rows of all committed text but its last token (all of it
+after a deferred bonus) when it drafts; the Commit confirming an assumed chain carries its rows too. A re-placed
+request re-prefills a new verifier sequence, whose rows start at 0 again, for a reopened drafter. Once a request
+has no drafter (it failed, or none was free), its next Verify stops the rows.
+
 **Pipelined** (chains only): right after sending ``Verify`` for chain k with ``defer_bonus``, the drafter is
 asked to ``Propose(assume_previous_accepted)`` chain k+1 concurrently. When the verdict comes back:
 
@@ -39,7 +47,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from router.errors import NoWorkerError, WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
 from router.requests import DraftShape, Plan
@@ -62,6 +70,7 @@ class SequenceSpec:
     ignore_eos: bool
     logprobs: bool
     shape: DraftShape
+    features: bool = False  # the verifier returns the target's feature rows with every verdict
 
 
 @dataclass(frozen=True)
@@ -85,7 +94,18 @@ class Verified:
     logprobs: tuple[float, ...]
     verify_ns: int
     state_ns: int
-    wire_bytes: int = 0  # size of the verdict's reply on the wire (0: not measured)
+    wire_bytes: int = 0  # size of the verdict's reply on the wire without its feature rows (0: not measured)
+    features: object | None = None  # the target's feature rows, encoded: relayed to the drafter unchanged
+    feature_bytes: int = 0  # their size on the wire
+
+
+class Commit(NamedTuple):
+    """What a drafter is told of a verdict: the committed text is now ``text[:base_length] + emitted``; ``features``
+    (the verdict's, as the verifier encoded them; None: none) are applied first."""
+
+    base_length: int
+    emitted: Sequence[int]
+    features: object | None = None
 
 
 @dataclass(frozen=True)
@@ -117,9 +137,13 @@ class RoundObserver(Protocol):
 
 
 class DrafterClient(Protocol):
-    """A drafter worker, one call per method, each with its own deadline; failures raise WorkerError."""
+    """A drafter worker, one call per method, each with its own deadline; failures raise WorkerError.
+
+    ``feature_width`` > 0: it drafts from the target's feature rows, which its Commits must carry.
+    """
 
     address: str
+    feature_width: int
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None: ...
 
@@ -129,13 +153,15 @@ class DrafterClient(Protocol):
         max_tokens: int,
         *,
         assume_previous_accepted: bool,
-        commit: tuple[int, Sequence[int]] | None = None,
+        commit: Commit | None = None,
     ) -> Drafted:
-        """Draft; ``commit`` (``base_length, emitted``), if given, is applied first, exactly as :meth:`commit`
-        would, and its failure raises before any proposal is used."""
+        """Draft; ``commit``, if given, is applied first, exactly as :meth:`commit` would, and its failure raises
+        before any proposal is used."""
         ...
 
-    async def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None: ...
+    async def commit(
+        self, sequence_id: str, base_length: int, emitted: Sequence[int], features: object | None = None
+    ) -> None: ...
 
     async def close(self, sequence_id: str) -> None: ...
 
@@ -147,7 +173,11 @@ class VerifierClient(Protocol):
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None: ...
 
-    async def verify(self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool) -> Verified: ...
+    async def verify(
+        self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool, stop_features: bool = False
+    ) -> Verified:
+        """Verify ``drafted`` (None: a target step); ``stop_features``: no feature rows from this verdict on."""
+        ...
 
     async def close(self, sequence_id: str) -> None: ...
 
@@ -183,7 +213,8 @@ class Chunk:
 
 @dataclass
 class RequestStats(AcceptanceCounts):
-    """Speculation counters of one request (DESIGN §7); ``draft_ns`` and ``wire_bytes`` include discarded chains."""
+    """Speculation counters of one request (DESIGN §7); ``draft_ns`` and ``wire_bytes`` include discarded chains;
+    ``feature_bytes`` counts the target feature rows of the verdicts taken."""
 
     draft_ns: int = 0
     verify_ns: int = 0
@@ -191,6 +222,7 @@ class RequestStats(AcceptanceCounts):
     pipeline_hits: int = 0
     pipeline_misses: int = 0
     wire_bytes: int = 0
+    feature_bytes: int = 0
     drafter_fallback: bool = False
 
     def count_drafted(self, drafted: Drafted) -> None:
@@ -201,6 +233,7 @@ class RequestStats(AcceptanceCounts):
         self.count_verdict(len(drafted.tree) if drafted else 0, len(verified.accepted_path))
         self.verify_ns += verified.verify_ns
         self.state_ns += verified.state_ns
+        self.feature_bytes += verified.feature_bytes
 
 
 @dataclass(frozen=True)
@@ -259,7 +292,8 @@ class Session:
         self._attempt = 0
         self._failed_verifiers: set[str] = set()
         self._predrafted: Drafted | None = None  # chain k+1 after a pipeline hit, verified next round
-        self._pending_commit: tuple[int, tuple[int, ...]] | None = None  # (base_length, emitted) not yet told
+        self._pending_commit: Commit | None = None  # the last verdict, not yet told to the drafter
+        self._verifier_features = False  # the verifier sequence sends feature rows
         self._inflight: set[asyncio.Task[Any]] = set()
         self._background = background if background is not None else set()
 
@@ -290,21 +324,23 @@ class Session:
 
     # --- opening and closing ------------------------------------------------------------------------------
 
-    def _spec(self) -> SequenceSpec:
+    def _spec(self, features: bool = False) -> SequenceSpec:
         plan = self.plan
         prompt = plan.prompt_ids + tuple(self.generated)
-        return SequenceSpec(prompt, plan.sampling, self.remaining, plan.ignore_eos, plan.logprobs, plan.shape)
+        return SequenceSpec(prompt, plan.sampling, self.remaining, plan.ignore_eos, plan.logprobs, plan.shape, features)
 
     async def _open(self) -> None:
-        """Open on a verifier (required) and a drafter (optional) at once."""
-        opening = [self._spawn(self._open_verifier())]
-        if self.plan.mode != "off":
-            opening.append(self._spawn(self._open_drafter()))
+        """Open on a verifier (required) and a drafter (optional) at once; the verifier sends feature rows when the
+        drafter drafts from them."""
+        drafter = self._acquire_drafter()
+        opening = [self._spawn(self._open_verifier(features=_takes_features(drafter)))]
+        if drafter is not None:
+            opening.append(self._spawn(self._open_drafter(drafter)))
         await asyncio.gather(*(asyncio.shield(task) for task in opening))
 
-    async def _open_verifier(self) -> None:
+    async def _open_verifier(self, *, features: bool) -> None:
         """Try verifiers (least loaded first) until one opens; a refusal of the arguments fails at once."""
-        spec, last_error = self._spec(), None
+        spec, last_error = self._spec(features), None
         while (verifier := self.placement.acquire_verifier(self._failed_verifiers)) is not None:
             try:
                 await verifier.open(self.sequence_id, spec, derive_seed(self.plan.seed, "verifier", self._attempt))
@@ -317,17 +353,22 @@ class Session:
                 self._close_in_background(verifier, self.sequence_id)  # a late open must not leak
                 last_error = error
                 continue
-            self.verifier = verifier
+            self.verifier, self._verifier_features = verifier, features
             return
         if last_error is not None:
             raise last_error
         raise NoWorkerError("no healthy verifier is available")
 
-    async def _open_drafter(self) -> None:
+    def _acquire_drafter(self) -> DrafterClient | None:
+        """A drafter for the request (None when speculation is off, or none is free: then it goes target-only)."""
+        if self.plan.mode == "off":
+            return None
         drafter = self.placement.acquire_drafter(self.plan.drafter_kind, ())
         if drafter is None:
             self.stats.drafter_fallback = True
-            return
+        return drafter
+
+    async def _open_drafter(self, drafter: DrafterClient) -> None:
         try:
             await drafter.open(self.sequence_id, self._spec(), derive_seed(self.plan.seed, "drafter", self._attempt))
         except WorkerError as error:
@@ -389,9 +430,8 @@ class Session:
         """Tell the drafter the last verdict, if it has not heard it yet."""
         if self._pending_commit is None:
             return
-        base_length, emitted = self._pending_commit
-        self._pending_commit = None
-        await self._drafter_call(lambda drafter: drafter.commit(self.sequence_id, base_length, emitted))
+        commit, self._pending_commit = self._pending_commit, None
+        await self._drafter_call(lambda drafter: drafter.commit(self.sequence_id, *commit))
 
     async def _propose(self, budget: int, *, assume_previous_accepted: bool) -> Drafted | None:
         """A proposal, carrying the last verdict's Commit if the drafter has not heard it (one message, not two)."""
@@ -442,7 +482,10 @@ class Session:
         )
         verifier, sequence_id = self.verifier, self.sequence_id
         assert verifier is not None, "the verifier is opened before any round"
-        verify = self._spawn(verifier.verify(sequence_id, drafted if size else None, defer_bonus=pipelined))
+        stop_features = self._verifier_features and self.drafter is None  # nobody left to relay them to
+        verify = self._spawn(
+            verifier.verify(sequence_id, drafted if size else None, defer_bonus=pipelined, stop_features=stop_features)
+        )
         drafter_side = None
         if self.drafter is not None and (pipelined or self._pending_commit is not None):
             drafter_side = self._spawn(self._drafter_side(self.remaining - size - 1 if pipelined else None))
@@ -455,6 +498,8 @@ class Session:
             return
         if not verified.emitted and not verified.finished:
             raise WorkerUnavailableError(verifier.address, "INTERNAL", "the verdict emitted no token")
+        if stop_features:
+            self._verifier_features = False
         self.stats.count_round(drafted if size else None, verified)
         chunk = self._take(verified)
         if chunk.token_ids or chunk.text:
@@ -467,7 +512,7 @@ class Session:
             else:
                 self.stats.pipeline_misses += 1
         if self.drafter is not None and self.finish_reason is None:
-            self._pending_commit = (base_length, verified.emitted)
+            self._pending_commit = Commit(base_length, verified.emitted, verified.features)
         if self.observer is not None:
             exposed_ns = drafted.draft_ns if fresh and drafted is not None else 0
             wall_ns = time.perf_counter_ns() - started
@@ -514,12 +559,17 @@ class Session:
         self._close_in_background(verifier, old_id)
         if drafter is not None:
             self._close_in_background(drafter, old_id)
+        replacement = self._acquire_drafter() if drafter is not None else None
         try:
-            await self._open_verifier()
-        except (NoWorkerError, WorkerBusyError, WorkerUnavailableError):
-            raise error from None
-        if self.plan.mode != "off" and drafter is not None:
-            await self._open_drafter()
+            await self._open_verifier(features=_takes_features(replacement))
+        except BaseException as failure:
+            if replacement is not None:
+                self.placement.release(replacement)
+            if isinstance(failure, NoWorkerError | WorkerBusyError | WorkerUnavailableError):
+                raise error from None
+            raise
+        if replacement is not None:
+            await self._open_drafter(replacement)
 
     def _close_in_background(self, worker: DrafterClient | VerifierClient, sequence_id: str) -> None:
         """Best-effort close of a sequence the request has left behind, without waiting for it."""
@@ -535,3 +585,7 @@ class Session:
         """Hold a reference to ``task`` until it is done (the loop itself keeps only weak ones)."""
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _takes_features(drafter: DrafterClient | None) -> bool:
+    return drafter is not None and drafter.feature_width > 0

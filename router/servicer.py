@@ -90,6 +90,7 @@ def final_to_wire(final: Final) -> router_pb2.GenerateResponse:
             pipeline_hits=stats.pipeline_hits,
             pipeline_misses=stats.pipeline_misses,
             wire_bytes=stats.wire_bytes,
+            feature_bytes=stats.feature_bytes,
             drafter_fallback=stats.drafter_fallback,
         ),
     )

@@ -4,7 +4,7 @@ Each worker has one channel; the calls of every session go in one ``Batch`` RPC 
 (:mod:`router.batching`). Every call carries the role's deadline; a failed call raises one of the
 :mod:`router.errors` types, classified here from its status code, and nothing else about gRPC leaves this
 module. The pool chooses the healthy worker with the least outstanding sequences (ties: the one chosen least
-often), learns each drafter's kind from its ``Status`` and checks ``grpc.health.v1`` every
+often), learns each drafter's kind and feature width from its ``Status`` and checks ``grpc.health.v1`` every
 ``health_interval_s``; a worker that fails a call, answers a check NOT_SERVING or cannot be reached is skipped
 until a check passes again, one whose checks time out only after ``health_timeouts_to_eject`` in a row.
 """
@@ -26,7 +26,7 @@ from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from router.batching import CallBatcher
 from router.config import RouterConfig
 from router.errors import WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
-from router.pipeline import Drafted, DrafterClient, SequenceSpec, Verified, VerifierClient
+from router.pipeline import Commit, Drafted, DrafterClient, SequenceSpec, Verified, VerifierClient
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,6 +39,8 @@ _REJECTED = {
 
 
 _CODE_OF_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+FEATURE_DTYPE = common_pb2.FEATURE_DTYPE_FLOAT16  # what verifiers are asked to send feature rows in
 
 
 def worker_error(address: str, code: grpc.StatusCode, details: str) -> WorkerError:
@@ -66,7 +68,8 @@ class Worker:
     healthy: bool = False
     outstanding: int = 0
     chosen: int = 0
-    kind: str | None = None  # drafters: ngram, model or early-exit, once known
+    kind: str | None = None  # drafters: ngram, model, early-exit or eagle, once known
+    feature_width: int = 0  # drafters: width of the target feature rows it drafts from (0: none), once known
     health_timeouts: int = 0  # consecutive health checks that timed out
 
     async def call(self, method: Callable[..., Awaitable[T]], request: object, deadline_s: float | None = None) -> T:
@@ -117,6 +120,10 @@ class GrpcDrafter(WorkerClient):
         stub = drafter_pb2_grpc.DrafterStub(worker.channel)
         super().__init__(worker, stub.Batch, drafter_pb2.DrafterBatchRequest)
 
+    @property
+    def feature_width(self) -> int:
+        return self.worker.feature_width
+
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         shape = drafter_pb2.DraftShape(
             num_draft_tokens=spec.shape.num_draft_tokens,
@@ -138,7 +145,7 @@ class GrpcDrafter(WorkerClient):
         max_tokens: int,
         *,
         assume_previous_accepted: bool,
-        commit: tuple[int, Sequence[int]] | None = None,
+        commit: Commit | None = None,
     ) -> Drafted:
         committed = None
         if commit is not None:  # queued first, so the drafter applies it first (same Batch, listed before)
@@ -161,16 +168,24 @@ class GrpcDrafter(WorkerClient):
         wire_bytes = reply.wire_bytes or reply.proposal.ByteSize()
         return Drafted(tree, reply.proposal, reply.draft_ns, wire_bytes)
 
-    async def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None:
-        await self._call("commit", _commit_call(sequence_id, base_length, emitted))
+    async def commit(
+        self, sequence_id: str, base_length: int, emitted: Sequence[int], features: object | None = None
+    ) -> None:
+        await self._call("commit", _commit_call(sequence_id, base_length, emitted, features))
 
     async def close(self, sequence_id: str) -> None:
         request = drafter_pb2.CloseDraftRequest(sequence_id=sequence_id)
         await self._call("close", drafter_pb2.DrafterCall(close=request))
 
 
-def _commit_call(sequence_id: str, base_length: int, emitted: Sequence[int]) -> drafter_pb2.DrafterCall:
-    request = drafter_pb2.DraftCommitRequest(sequence_id=sequence_id, base_length=base_length, emitted=emitted)
+def _commit_call(
+    sequence_id: str, base_length: int, emitted: Sequence[int], features: object | None = None
+) -> drafter_pb2.DrafterCall:
+    """A Commit; ``features`` is a verdict's ``FeatureRows`` message, carried as the verifier sent it."""
+    assert features is None or isinstance(features, common_pb2.FeatureRows)
+    request = drafter_pb2.DraftCommitRequest(
+        sequence_id=sequence_id, base_length=base_length, emitted=emitted, features=features
+    )
     return drafter_pb2.DrafterCall(commit=request)
 
 
@@ -190,15 +205,23 @@ class GrpcVerifier(WorkerClient):
             max_tokens=spec.max_tokens,
             ignore_eos=spec.ignore_eos,
             logprobs=spec.logprobs,
+            features=spec.features,
+            feature_dtype=FEATURE_DTYPE,
         )
         await self._call("open", verifier_pb2.VerifierCall(open=request))
 
-    async def verify(self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool) -> Verified:
+    async def verify(
+        self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool, stop_features: bool = False
+    ) -> Verified:
         proposal = drafted.payload if drafted is not None else common_pb2.Proposal()
         assert isinstance(proposal, common_pb2.Proposal)
-        request = verifier_pb2.VerifyRequest(sequence_id=sequence_id, proposal=proposal, defer_bonus=defer_bonus)
+        request = verifier_pb2.VerifyRequest(
+            sequence_id=sequence_id, proposal=proposal, defer_bonus=defer_bonus, stop_features=stop_features
+        )
         reply = await self._call("verify", verifier_pb2.VerifierCall(verify=request))
         verdict = reply.verdict
+        features = reply.features if reply.HasField("features") else None
+        feature_bytes = features.ByteSize() if features is not None else 0
         return Verified(
             accepted_path=tuple(verdict.accepted_path),
             emitted=tuple(verdict.emitted),
@@ -207,7 +230,9 @@ class GrpcVerifier(WorkerClient):
             logprobs=tuple(verdict.logprobs),
             verify_ns=reply.verify_ns,
             state_ns=reply.state_ns,
-            wire_bytes=reply.ByteSize(),
+            wire_bytes=reply.ByteSize() - feature_bytes,
+            features=features,
+            feature_bytes=feature_bytes,
         )
 
     async def close(self, sequence_id: str) -> None:
@@ -324,7 +349,7 @@ class WorkerPool:
             if serving and isinstance(client, GrpcDrafter) and worker.kind is None:
                 stub = drafter_pb2_grpc.DrafterStub(worker.channel)
                 status = await worker.call(stub.Status, drafter_pb2.DrafterStatusRequest(), deadline)
-                worker.kind = status.kind or None
+                worker.kind, worker.feature_width = status.kind or None, status.feature_width
         except WorkerError as error:
             LOG.debug("health check of %s failed: %s", worker.address, error)
             serving = False

@@ -111,6 +111,7 @@ class Stats:
     pipeline_hits: int
     pipeline_misses: int
     wire_bytes: int
+    feature_bytes: int
     drafter_fallback: bool
 
     @property
@@ -230,6 +231,7 @@ def chunk_from_wire(message: router_pb2.GenerateResponse) -> Chunk:
             pipeline_hits=stats.pipeline_hits,
             pipeline_misses=stats.pipeline_misses,
             wire_bytes=stats.wire_bytes,
+            feature_bytes=stats.feature_bytes,
             drafter_fallback=stats.drafter_fallback,
         ),
     )

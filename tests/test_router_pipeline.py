@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Sequence
 import pytest
 
 from router.errors import WorkerError, WorkerRejectedError, WorkerUnavailableError
-from router.pipeline import Chunk, Drafted, Final, SequenceSpec, Session, Verified, derive_seed
+from router.pipeline import Chunk, Commit, Drafted, Final, SequenceSpec, Session, Verified, derive_seed
 from router.requests import DraftShape, Plan
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -82,7 +82,9 @@ class FakeVerifier:
             "deferred": False,
         }
 
-    async def verify(self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool) -> Verified:
+    async def verify(
+        self, sequence_id: str, drafted: Drafted | None, *, defer_bonus: bool, stop_features: bool = False
+    ) -> Verified:
         self._fail()
         await asyncio.sleep(0)
         state = self.sequences[sequence_id]
@@ -124,6 +126,8 @@ class FakeVerifier:
 
 class FakeDrafter:
     """Guesses the target's next tokens, wrong wherever ``wrong(context)``; follows Commit like a real drafter."""
+
+    feature_width = 0
 
     def __init__(
         self,
@@ -167,7 +171,7 @@ class FakeDrafter:
         max_tokens: int,
         *,
         assume_previous_accepted: bool,
-        commit: tuple[int, Sequence[int]] | None = None,
+        commit: Commit | None = None,
     ) -> Drafted:
         if commit is not None:
             await self.commit(sequence_id, *commit)
@@ -184,7 +188,9 @@ class FakeDrafter:
         state["outstanding"] = chain
         return Drafted(TokenTree.chain(chain), tuple(chain), draft_ns=500, wire_bytes=8 * len(chain))
 
-    async def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None:
+    async def commit(
+        self, sequence_id: str, base_length: int, emitted: Sequence[int], features: object | None = None
+    ) -> None:
         self._fail("commit")
         state = self.sequences[sequence_id]
         assert base_length <= len(state["text"])
