@@ -1,0 +1,140 @@
+"""An EAGLE drafter served on its own: router + verifier service + eagle drafter service keep the target's exact law.
+
+Tiny random Llama target (vocabulary 5) and an EAGLE head made from it (``EagleHead.from_target``: its embeddings,
+norm and LM head, its last layer as the head's decoder layer) saved like a trained one and served by
+``python -m drafter_service --kind eagle --draft-model DIR``'s code path; every verdict's feature rows travel
+verifier -> router -> drafter. The first round of a request drafts nothing (the drafter has no features before the
+prompt is prefilled), so the window of ``LENGTH`` tokens holds eagle rounds from the second token on: chains
+sequential and pipelined (γ = 1, so a pipeline hit's pre-drafted token, verified against the kept row, lies inside
+the window), a tree, temperature 1 and top-k / top-p. Seeded requests through the SDK; their law of the first
+``LENGTH`` tokens must match the law enumerated from the target (chi-square at 1e-3, ``assert_same_law``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc
+
+from drafter_service.config import DrafterConfig
+from drafter_service.server import build_core_drafter, start_drafter
+from router.config import RouterConfig
+from router.server import start_router
+from specdec.client import Client, GenerateResult
+from specdec.drafters import EagleDrafter
+from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+from specdec.errors import ModelNotFoundError
+from specdec.models import LoadedModel
+from specdec.sampling import SamplingParams
+from tests.test_end_to_end_distribution import LENGTH, PROMPT, VOCAB, _outcome, assert_same_law, exact_law
+from tests.tiny_models import tiny_llama
+from verifier_service.config import VerifierConfig
+from verifier_service.server import start_verifier
+
+SAMPLES = 1000
+MAX_TOKENS = LENGTH + 1
+
+# (speculation, num_draft_tokens, tree_width, sampling)
+CASES = {
+    "chain-sequential": ("sequential", 2, 1, SamplingParams(temperature=1.0)),
+    "chain-pipelined": ("pipelined", 1, 1, SamplingParams(temperature=1.0)),
+    "tree-top-k-top-p": ("sequential", 2, 2, SamplingParams(temperature=1.0, top_k=3, top_p=0.9)),
+    "chain-pipelined-top-k": ("pipelined", 1, 1, SamplingParams(temperature=0.8, top_k=3)),
+}
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return tiny_llama(seed=11, vocab_size=VOCAB, num_layers=2)
+
+
+def save_tiny_head(target: LoadedModel, directory: Path) -> Path:
+    head = EagleHead.from_target(target.model, torch.arange(VOCAB))
+    save_head(head, directory, HeadInfo(verifier="tiny", num_draft_tokens=3))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def router_address(target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    head = save_tiny_head(target, tmp_path_factory.mktemp("eagle-head"))
+    verifier = start_verifier(VerifierConfig(), model=target)
+    drafter = start_drafter(DrafterConfig(kind="eagle", target="tiny", draft_model=str(head)), target=target)
+    router = start_router(
+        RouterConfig(
+            model=target.name,
+            verifiers=(verifier.address,),
+            drafters=(drafter.address,),
+            grpc_port=0,
+            http_port=0,
+            eos_token_ids=tuple(target.eos_token_ids),
+            max_concurrent_requests=32,
+        )
+    )
+    yield router.grpc_address
+    router.stop(0.5)
+    drafter.stop(0)
+    verifier.stop(0)
+
+
+def test_the_eagle_drafter_service_reports_its_feature_width(target: LoadedModel, tmp_path: Path) -> None:
+    head = str(save_tiny_head(target, tmp_path))
+    config = DrafterConfig.from_args(["--kind", "eagle", "--draft-model", head], environ={})
+    assert (config.kind, config.draft_model) == ("eagle", head)
+    with start_drafter(config, target=target) as running, grpc.insecure_channel(running.address) as channel:
+        status = drafter_pb2_grpc.DrafterStub(channel).Status(drafter_pb2.DrafterStatusRequest(), timeout=10)
+    assert (status.kind, status.feature_width) == ("eagle", target.model.config.hidden_size)
+
+
+def test_without_a_draft_model_the_head_cached_for_the_target_is_used(
+    target: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    config = DrafterConfig(kind="eagle", target=target.name)
+    with pytest.raises(ModelNotFoundError, match="specdec distill"):
+        build_core_drafter(config, target=target)
+    save_tiny_head(target, tmp_path / "eagle" / target.name)
+    assert isinstance(build_core_drafter(config, target=target), EagleDrafter)
+
+
+def sample(address: str, case: str, seed: int) -> list[GenerateResult]:
+    """``SAMPLES`` seeded requests of ``case``, 16 at a time over one channel."""
+    speculation, num_draft_tokens, tree_width, params = CASES[case]
+    client = Client(address, timeout_s=60)
+
+    def one(index: int) -> GenerateResult:
+        return client.generate(
+            prompt_ids=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=seed + index,
+            ignore_eos=True,
+            drafter="eagle",
+            speculation=speculation,
+            num_draft_tokens=num_draft_tokens,
+            tree_width=tree_width,
+        )
+
+    with client, ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(one, range(SAMPLES)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_eagle_over_the_wire_follows_the_target_law(router_address: str, target: LoadedModel, case: str) -> None:
+    speculation, _, _, params = CASES[case]
+    results = sample(router_address, case, seed=90_000 + 10_000 * list(CASES).index(case))
+    stats = [result.stats for result in results]
+    assert not any(s.drafter_fallback for s in stats)
+    assert sum(s.accepted_tokens for s in stats) > 0 and all(s.feature_bytes > 0 for s in stats)
+    if speculation == "pipelined":
+        assert sum(s.pipeline_hits for s in stats) > 0 and sum(s.pipeline_misses for s in stats) > 0
+    counts = Counter(_outcome(result.token_ids, frozenset()) for result in results)
+    assert_same_law(counts, exact_law(target, params, stop_at_eos=False))
