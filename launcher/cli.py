@@ -36,10 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
         "--drafter-kind",
         action="append",
         dest="drafter_kinds",
-        choices=("ngram", "model", "early-exit"),
+        choices=("ngram", "model", "early-exit", "eagle"),
         help="drafter kind to place (repeat for several kinds; default ngram)",
     )
     up.add_argument("--draft-model", help="draft model of the model drafter (default: the target)")
+    up.add_argument("--eagle-head", help="head directory of eagle drafters (default: the head cached for the target)")
     up.add_argument("--num-drafters", type=int, help="drafters per kind; default 1")
     up.add_argument("--num-verifiers", type=int, help="default 1")
     up.add_argument("--verifier-gpus", type=int, help="GPUs (tensor-parallel ranks) per verifier; default 0")

@@ -29,6 +29,7 @@ class Deployment:
     target: str = "smollm2-135m"
     drafter_kinds: tuple[str, ...] = ("ngram",)
     draft_model: str | None = None
+    eagle_head: str | None = None  # head directory of eagle drafters (None: the one cached for the target)
     num_drafters: int = 1  # per kind
     num_verifiers: int = 1
     verifier_gpus: int = 0
@@ -90,6 +91,8 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
             argv = ["--kind", kind, "--target", deployment.target, "--metrics-port", "0", *deployment.drafter_args]
             if kind == "model":
                 argv += ["--draft-model", deployment.draft_model or deployment.target]
+            if kind == "eagle" and deployment.eagle_head:
+                argv += ["--draft-model", deployment.eagle_head]
             drafters.append(spawn("drafter", argv, **({"resources": {"drafter": 1}} if in_cluster else {})))
     addresses = ray.get([actor.addresses.remote() for actor in verifiers + drafters], timeout=timeout_s)
     roles = ["verifier"] * len(verifiers) + ["drafter"] * len(drafters)

@@ -63,7 +63,7 @@ def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argpar
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the head")
     parser.add_argument("--unroll-steps", type=int, default=3, help="training-time unrolled steps (1: none)")
     parser.add_argument("--feature-weight", type=float, default=0.2, help="weight of the feature regression loss")
-    parser.add_argument("--learning-rate", type=float, default=6e-4)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     parser.add_argument(
         "--snapshot-minutes", default="", help="comma-separated training minutes at which to keep a copy of the head"

@@ -41,10 +41,10 @@ class TrainConfig:
 
     steps: int | None = None
     minutes: float | None = None
-    learning_rate: float = 6e-4
-    warmup_steps: int = 40
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
     weight_decay: float = 0.0
-    batch_tokens: int = 6144
+    batch_tokens: int = 3072
     max_length: int = 640
     unroll_steps: int = 3
     step_decay: float = 0.8
