@@ -1,7 +1,9 @@
-"""The disaggregated benchmark's pure maths and report, on hand-made stats (no model, no servers)."""
+"""The disaggregated benchmark's pure maths and report, on hand-made stats (no model, no servers); the EAGLE
+benchmark's acceptance section on a tiny random model and head."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +133,41 @@ def test_report_rows_and_verdict() -> None:
     assert "every configuration: **NO**" in report
     assert "overhead ms/round** = wall ms/round − exposed draft" in report
     assert report.count("\n| 1 |") == 2
+
+
+def test_eagle_acceptance_section_on_a_tiny_model(tmp_path: Path) -> None:
+    import torch
+
+    from bench.eagle import MAX_DEPTH, SAMPLINGS, SHAPES, Prompt, Settings, describe, run_sections
+    from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+    from tests.tiny_models import tiny_llama
+
+    target = tiny_llama(seed=3, vocab_size=32, num_layers=2)
+    head = tmp_path / "head"
+    save_head(EagleHead.from_target(target.model, torch.arange(32)), head, HeadInfo(target.name, 4))
+    generator = torch.Generator().manual_seed(0)
+    prompts = [Prompt(str(i), c, torch.randint(0, 31, (10,), generator=generator).tolist()) for i, c in enumerate("ab")]
+    meta = describe(target.name, str(head), prompts, 16, "python -m bench.eagle --sections acceptance")
+    run_sections(target, prompts, ["acceptance"], Settings(16, str(head)), meta, tmp_path / "out" / "eagle")
+
+    payload = json.loads((tmp_path / "out" / "eagle.json").read_text())
+    assert set(payload) == {"meta", "definitions", "acceptance"}
+    rows = payload["acceptance"]["rows"]
+    assert [(r["sampling"], r["shape"]) for r in rows] == [(s, shape) for s in SAMPLINGS for shape in SHAPES]
+    for row, config in zip(rows, [*SHAPES.values()] * len(SAMPLINGS), strict=True):
+        depth = config.num_draft_tokens
+        assert row["requests"] == 2 and 0 < row["tokens"] <= 2 * 16
+        # the first round of each request drafts nothing; every other one here has room to draft
+        assert row["drafted_rounds"] + row["requests"] <= row["rounds"]
+        assert row["drafted_rounds"] > 0 and row["draft_tokens"] <= row["drafted_rounds"] * config.max_nodes
+        assert 0 <= row["acceptance_rate"] <= 1
+        assert len(row["acc"]) == depth and all(0 <= a <= 1 for a in row["acc"])
+        assert row["acc"] == sorted(row["acc"], reverse=True)
+        assert 1 <= row["tokens_per_round"] <= row["mean_accepted_length"] <= 1 + depth
+        assert row["mean_accepted_length"] == pytest.approx(1 + sum(row["acc"]))
+        assert row["draft_ms_per_token"] > 0 and row["target_forward_ms"] > 0 and row["draft_to_forward"] > 0
+        assert row["tokens_per_s"] > 0
+        assert set(row["by_category"]) == {"a", "b"}
+    assert any(row["accepted_tokens"] for row in rows)
+    report = (tmp_path / "out" / "eagle.md").read_text()
+    assert f"acc@{MAX_DEPTH} |" in report and report.count("\n| greedy | chain γ=") == 5
