@@ -1,11 +1,14 @@
-"""The whole stack on the real SmolLM2-135M: router (gRPC + OpenAI HTTP) over a verifier service and n-gram and
-early-exit drafter services. Greedy chat output through the router, as token ids and as text, streamed or not,
-equals the co-located Engine's target-only output for the same chat-templated prompt (DESIGN §3)."""
+"""The whole stack on the real SmolLM2-135M: router (gRPC + OpenAI HTTP) over a verifier service and n-gram,
+early-exit and eagle drafter services (the eagle head trained briefly on the expected outputs, so it accepts often
+and its features really travel verifier -> router -> drafter). Greedy chat output through the router, as token ids
+and as text, streamed or not, equals the co-located Engine's target-only output for the same chat-templated prompt
+(DESIGN §3)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +22,7 @@ from specdec.engine import Engine, GenerationRequest
 from specdec.models import LoadedModel
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
+from tests.eagle_heads import memorised_head
 from tests.test_router_http import events, request
 from tests.tiny_models import SMOLLM2, smollm2
 from verifier_service.config import VerifierConfig
@@ -34,15 +38,16 @@ PROMPTS = {
 
 
 class Stack:
-    def __init__(self, target: LoadedModel) -> None:
+    def __init__(self, target: LoadedModel, eagle_head: Path) -> None:
         self.verifier = start_verifier(VerifierConfig(), model=target)
         self.ngram = start_drafter(DrafterConfig(kind="ngram"), target=target)
         self.early = start_drafter(DrafterConfig(kind="early-exit", early_exit_layers=8), target=target)
+        self.eagle = start_drafter(DrafterConfig(kind="eagle", draft_model=str(eagle_head)), target=target)
         config = RouterConfig(
             model=SMOLLM2,
             tokenizer=SMOLLM2,
             verifiers=(self.verifier.address,),
-            drafters=(self.ngram.address, self.early.address),
+            drafters=(self.ngram.address, self.early.address, self.eagle.address),
             grpc_port=0,
             http_port=0,
             shutdown_grace_s=0.5,
@@ -51,7 +56,7 @@ class Stack:
 
     def stop(self) -> None:
         self.router.stop(0.5)
-        for service in (self.verifier, self.ngram, self.early):
+        for service in (self.verifier, self.ngram, self.early, self.eagle):
             service.stop(0)
 
 
@@ -61,8 +66,9 @@ def target() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def stack(target: LoadedModel) -> Iterator[Stack]:
-    stack = Stack(target)
+def stack(target: LoadedModel, expected, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    texts = [(encode_prompt(target, text, chat=True), expected[name]) for name, text in PROMPTS.items()]
+    stack = Stack(target, memorised_head(target, texts, tmp_path_factory.mktemp("eagle-head")))
     yield stack
     stack.stop()
 
@@ -80,9 +86,19 @@ def expected(target: LoadedModel) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("drafter", "speculation", "gamma"), [("ngram", "pipelined", 4), ("early-exit", "sequential", 2)]
+    ("drafter", "speculation", "gamma", "width"),
+    [
+        ("ngram", "pipelined", 4, 1),
+        ("early-exit", "sequential", 2, 1),
+        ("eagle", "sequential", 4, 1),
+        ("eagle", "pipelined", 4, 1),
+        ("eagle", "sequential", 3, 2),
+    ],
+    ids=["ngram-pipelined", "early-exit", "eagle-chain", "eagle-chain-pipelined", "eagle-tree"],
 )
-def test_grpc_chat_equals_colocated(stack: Stack, target, expected, drafter: str, speculation: str, gamma: int) -> None:
+def test_grpc_chat_equals_colocated(
+    stack: Stack, target, expected, drafter: str, speculation: str, gamma: int, width: int
+) -> None:
     with Client(stack.router.grpc_address, timeout_s=120) as client:
         for name, text in PROMPTS.items():
             result = client.generate(
@@ -93,10 +109,14 @@ def test_grpc_chat_equals_colocated(stack: Stack, target, expected, drafter: str
                 drafter=drafter,
                 speculation=speculation,
                 num_draft_tokens=gamma,
+                tree_width=width,
             )
             assert result.token_ids == expected[name], name
             assert result.text == target.tokenizer.decode(expected[name], skip_special_tokens=True)
             assert result.stats.draft_tokens > 0 and not result.stats.drafter_fallback
+            if drafter == "eagle":  # accepted drafts, and the features that made them, crossed the wire
+                assert result.stats.accepted_tokens >= 0.3 * result.stats.draft_tokens, result.stats
+                assert result.stats.feature_bytes > 0
 
 
 @pytest.mark.parametrize("stream", [False, True])
