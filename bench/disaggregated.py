@@ -2,9 +2,9 @@
 
 Greedy, float32, the chat-templated prompts of ``bench/prompts/colocated.jsonl``, EOS honoured:
 
-* **co-located**: our :class:`~specdec.engine.Engine` in this process, target-only and with the ngram
-  drafter (sequential rounds: draft, then verify);
-* **disaggregated**: ``python -m verifier_service``, ``python -m drafter_service --kind ngram`` and
+* **co-located**: our :class:`~specdec.engine.Engine` in this process, target-only and with the drafter
+  (``--drafter-kind``: ngram, or eagle with its head; sequential rounds: draft, then verify);
+* **disaggregated**: ``python -m verifier_service``, ``python -m drafter_service --kind KIND`` and
   ``python -m router`` started as subprocesses on 127.0.0.1 (no Ray), requests through the SDK with
   ``speculation`` = off / sequential / pipelined.
 
@@ -99,6 +99,7 @@ class Run:
     streams: int
     records: list[RequestRecord] = field(default_factory=list)
     wall_s: float = 0.0
+    drafter: str = "ngram"
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -107,8 +108,8 @@ class Run:
     @property
     def label(self) -> str:
         if self.side == "co-located":
-            return "co-located target-only" if self.mode == "off" else "co-located ngram (sequential)"
-        return f"disaggregated {self.mode}" + ("" if self.mode == "off" else " (ngram)")
+            return "co-located target-only" if self.mode == "off" else f"co-located {self.drafter} (sequential)"
+        return f"disaggregated {self.mode}" + ("" if self.mode == "off" else f" ({self.drafter})")
 
 
 @dataclass(frozen=True)
@@ -341,16 +342,17 @@ def sdk_record(client, index: int, prompt_ids: list[int], options: dict) -> Requ
 class Bench:
     """Holds the co-located engines and the SDK clients; runs one configuration at a time."""
 
-    def __init__(self, engines: dict, clients: list, max_tokens: int, num_draft_tokens: int) -> None:
-        self.engines = engines  # mode -> Engine ("off": target-only, "sequential": ngram)
+    def __init__(self, engines: dict, clients: list, max_tokens: int, num_draft_tokens: int, drafter: str) -> None:
+        self.engines = engines  # mode -> Engine ("off": target-only, "sequential": the drafter)
         self.clients = clients  # one per concurrent stream
         self.max_tokens = max_tokens
         self.num_draft_tokens = num_draft_tokens
+        self.drafter = drafter
 
     def options(self, mode: str) -> dict:
         options = {"max_tokens": self.max_tokens, "temperature": 0.0, "speculation": mode, "ignore_eos": False}
         if mode != "off":
-            options |= {"drafter": "ngram", "num_draft_tokens": self.num_draft_tokens}
+            options |= {"drafter": self.drafter, "num_draft_tokens": self.num_draft_tokens}
         return options
 
     def colocated(self, mode: str, batch: Sequence[tuple[int, list[int]]]) -> list[RequestRecord]:
@@ -377,8 +379,8 @@ class Bench:
 
     def single_stream(self, prompts: Sequence[tuple[int, list[int]]]) -> list[Run]:
         """One stream, configurations interleaved prompt by prompt; wall = Σ end-to-end times."""
-        runs = [Run("co-located", mode, 1) for mode in self.engines]
-        runs += [Run("disaggregated", mode, 1) for mode in MODES]
+        runs = [Run("co-located", mode, 1, drafter=self.drafter) for mode in self.engines]
+        runs += [Run("disaggregated", mode, 1, drafter=self.drafter) for mode in MODES]
         for index, ids in prompts:
             for run in runs:
                 if run.side == "co-located":
@@ -393,7 +395,7 @@ class Bench:
         """``streams`` at once: co-located static batches, disaggregated one client per stream."""
         runs = []
         for mode in self.engines:
-            run = Run("co-located", mode, streams)
+            run = Run("co-located", mode, streams, drafter=self.drafter)
             for start in range(0, len(prompts), streams):
                 batch = prompts[start : start + streams]
                 began = time.perf_counter()
@@ -404,7 +406,7 @@ class Bench:
                 run.wall_s += elapsed
             runs.append(run)
         for mode in MODES:
-            run = Run("disaggregated", mode, streams)
+            run = Run("disaggregated", mode, streams, drafter=self.drafter)
             run.records, run.wall_s = self._streams(mode, prompts, streams)
             runs.append(run)
         return runs
@@ -443,7 +445,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, help="first N prompts, categories in turn (default: all)")
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="γ, the ngram chain length")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="γ, the chain length")
+    parser.add_argument("--drafter-kind", choices=("ngram", "eagle"), default="ngram", help="the drafter compared")
+    parser.add_argument("--draft-model", help="eagle: the head directory (default: the head cached for --target)")
     parser.add_argument("--streams", default="1,8", help="comma-separated load levels (concurrent streams)")
     parser.add_argument("--device", default="cpu", help="torch device of every model (co-located and services)")
     parser.add_argument("--colocated-threads", type=int, default=1, help="torch threads of the co-located engine")
@@ -489,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
             ["--model", args.target, "--dtype", "float32", *on_device, "--torch-threads", str(args.verifier_threads)]
             + ([] if args.verifier_batch_wait_ms is None else ["--batch-wait-ms", str(args.verifier_batch_wait_ms)]),
         )
-        drafter_args = ["--kind", "ngram", "--target", args.target, *on_device, *gamma]
+        drafter_args = ["--kind", args.drafter_kind, "--target", args.target, *on_device, *gamma]
+        drafter_args += ["--draft-model", args.draft_model] if args.draft_model else []
         drafter_args += ["--torch-threads", str(args.drafter_threads)]
         drafter = services.spawn("drafter", "drafter_service", drafter_args)
         target = load_model(args.target, device=args.device)  # meanwhile, the co-located side
@@ -500,7 +505,12 @@ def main(argv: list[str] | None = None) -> None:
             "sequential": Engine(
                 KVRunner(target.model),
                 target.eos_token_ids,
-                build_drafter("ngram", target, DraftConfig(num_draft_tokens=args.num_draft_tokens)),
+                build_drafter(
+                    args.drafter_kind,
+                    target,
+                    DraftConfig(num_draft_tokens=args.num_draft_tokens),
+                    draft_model=args.draft_model,
+                ),
             ),
         }
         router_args = ["--model", args.target, "--grpc-port", "0", "--http-port", "0", *gamma]
@@ -510,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
 
         clients = [Client(router.ready["grpc"], timeout_s=600) for _ in range(max(levels))]
         try:
-            bench = Bench(engines, clients, args.max_tokens, args.num_draft_tokens)
+            bench = Bench(engines, clients, args.max_tokens, args.num_draft_tokens, args.drafter_kind)
             bench.warm_up(prompts)
             runs: list[Run] = []
             for streams in levels:
