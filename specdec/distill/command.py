@@ -37,7 +37,7 @@ from specdec.distill.data import (
     teacher_force_examples,
 )
 from specdec.distill.prompts import load_prompt_set
-from specdec.distill.train import EvalResult, TrainConfig, choose_draft_vocab, make_batches, train
+from specdec.distill.train import CHECKPOINT_FILE, EvalResult, TrainConfig, choose_draft_vocab, make_batches, train
 from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel, load_model
@@ -109,7 +109,9 @@ def run_distill(args: argparse.Namespace) -> int:
     snapshots = sorted(float(m) for m in args.snapshot_minutes.split(",") if m.strip())
     seen = [0]
     bar = tqdm(total=config.steps, desc="distill", unit="step", file=sys.stderr)
-    train_started = time.monotonic()
+    state_path = out / CHECKPOINT_FILE  # a resumed run counts the minutes already spent
+    spent = torch.load(state_path, weights_only=False)["seconds"] if state_path.is_file() else 0.0
+    train_started = time.monotonic() - spent
 
     def summary(result: EvalResult) -> dict:
         return {
@@ -123,8 +125,8 @@ def run_distill(args: argparse.Namespace) -> int:
             "held_out_agreement": [round(a, 4) for a in result.agree],
         }
 
-    def on_step(step: int, loss: float, tokens: int) -> None:
-        seen[0] += tokens
+    def on_step(step: int, loss: float, tokens_seen: int) -> None:
+        seen[0] = tokens_seen
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
 

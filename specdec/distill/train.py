@@ -238,7 +238,7 @@ def train(
 
     With ``checkpoint_dir`` the optimiser state is saved there every evaluation and a rerun resumes from it.
     ``on_eval(step, result)`` sees every evaluation (the caller keeps the best head); ``on_step(step, loss)``
-    every step with its loss and the response tokens it trained on (a progress bar).
+    every step with its loss and the response tokens trained on so far, resumed runs included (a progress bar).
     """
     if not batches:
         raise InvalidArgumentError("data", "no training examples (every response was empty?)")
@@ -246,13 +246,13 @@ def train(
     order_rng = random.Random(config.seed)
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimiser = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-    step, spent = 0, 0.0
+    step, spent, seen = 0, 0.0, 0
     state_path = checkpoint_dir / CHECKPOINT_FILE if checkpoint_dir else None
     if state_path is not None and state_path.is_file():
         state = torch.load(state_path, weights_only=False)
         head.load_state_dict(state["head"])
         optimiser.load_state_dict(state["optimiser"])
-        step, spent = state["step"], state["seconds"]
+        step, spent, seen = state["step"], state["seconds"], state.get("tokens_seen", 0)
         order_rng.setstate(state["order_rng"])
     head.train()
     started = time.monotonic() - spent
@@ -272,8 +272,9 @@ def train(
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimiser.step()
         step += 1
+        seen += batch.num_tokens
         if on_step is not None:
-            on_step(step, float(loss.detach()), batch.num_tokens)
+            on_step(step, float(loss.detach()), seen)
         if step % config.eval_every == 0 or _done(config, step, time.monotonic() - started):
             result = evaluate(head, held_out, config)
             if on_eval is not None:
@@ -285,6 +286,7 @@ def train(
                         "optimiser": optimiser.state_dict(),
                         "step": step,
                         "seconds": time.monotonic() - started,
+                        "tokens_seen": seen,
                         "order_rng": order_rng.getstate(),
                     },
                     state_path,
