@@ -26,7 +26,7 @@ from specdec.drafters.eagle_head import CONFIG_FILE
 TARGET = "smollm2-135m"
 MAX_TOKENS = 64
 CATEGORIES = ("code", "rewrite", "chat")
-FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --data-minutes 60 --minutes 35"
+FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --data-minutes 60 --minutes 55"
 DEMO_HEAD_ARGS = ["--target", TARGET, "--data-minutes", "2.5", "--minutes", "2.5", "--held-out-prompts", "16"]
 UP_ARGS = [
     "--target", TARGET,
@@ -140,7 +140,7 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
 
 
 def ensure_head() -> None:
-    """Reuse the cached head for the target, or train a small one now (the full one takes about 95 minutes)."""
+    """Reuse the cached head for the target, or train a small one now (the full one takes about two hours)."""
     head = default_head_dir(TARGET)
     if (head / CONFIG_FILE).is_file():
         print(f"EAGLE head: cached in {head}\n", flush=True)
