@@ -134,8 +134,8 @@ def _collate(examples: list[Example], max_length: int) -> Batch:
         tokens[row, :size] = example.token_ids[1 : size + 1].long()
         features[row, :size] = example.features[:size].float()
         targets[row, :size] = example.features[1 : size + 1].float()
-        positions = torch.arange(1, size + 1)
-        loss_mask[row, :size] = positions + 1 >= example.prompt_length  # predicts t_(i+1) of the response
+        head_positions = torch.arange(1, size + 1)
+        loss_mask[row, :size] = head_positions + 1 >= example.prompt_length  # predicts t_(i+1) of the response
     positions = torch.arange(1, length + 1).expand(count, length)
     return Batch(tokens, features, targets, positions, loss_mask)
 

@@ -57,40 +57,6 @@ class _Sequence(SampledSequence):
 
 
 @dataclass
-class _Slot:
-    """One sequence's rows in a packed head forward, and the scratch K/V its rows add."""
-
-    sequence: _Sequence
-    row: int
-    size: int
-    mask: torch.Tensor  # bool [size, committed + scratch + size]
-    scratch_keys: list[torch.Tensor]
-    scratch_values: list[torch.Tensor]
-
-
-class _PackedAttention:
-    """Attention of packed rows, per sequence over its committed head KV, its scratch and its new rows."""
-
-    def __init__(self, slots: list[_Slot]) -> None:
-        self.slots = slots
-
-    def __call__(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        outputs = []
-        for slot in self.slots:
-            rows = slice(slot.row, slot.row + slot.size)
-            state = slot.sequence
-            new_keys, new_values = key[0, :, rows], value[0, :, rows]  # [kv_heads, size, head_dim]
-            keys = torch.cat([state.keys[index][:, : state.committed], slot.scratch_keys[index], new_keys], dim=1)
-            values = torch.cat(
-                [state.values[index][:, : state.committed], slot.scratch_values[index], new_values], dim=1
-            )
-            slot.scratch_keys[index] = torch.cat([slot.scratch_keys[index], new_keys], dim=1)
-            slot.scratch_values[index] = torch.cat([slot.scratch_values[index], new_values], dim=1)
-            outputs.append(scaled_attention(query[:, :, rows], keys[None], values[None], slot.mask))
-        return torch.cat(outputs, dim=2)
-
-
-@dataclass
 class _Round:
     """One sequence's draft this round: the tree, the pending rows, and the predictions made."""
 
@@ -104,6 +70,36 @@ class _Round:
     node_predictions: list[torch.Tensor | None] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """One round's rows in a packed head forward: where they start, how many, and what they may attend to."""
+
+    plan: _Round
+    row: int
+    size: int
+    mask: torch.Tensor  # bool [size, committed + scratch + size]
+
+
+class _PackedAttention:
+    """Attention of packed rows, per sequence over its committed head KV, its round's scratch and its new rows;
+    the new K/V join the round's scratch."""
+
+    def __init__(self, slots: list[_Slot]) -> None:
+        self.slots = slots
+
+    def __call__(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for slot in self.slots:
+            rows = slice(slot.row, slot.row + slot.size)
+            plan, state = slot.plan, slot.plan.draft.sequence
+            plan.scratch_keys[index] = torch.cat([plan.scratch_keys[index], key[0, :, rows]], dim=1)
+            plan.scratch_values[index] = torch.cat([plan.scratch_values[index], value[0, :, rows]], dim=1)
+            keys = torch.cat([state.keys[index][:, : state.committed], plan.scratch_keys[index]], dim=1)
+            values = torch.cat([state.values[index][:, : state.committed], plan.scratch_values[index]], dim=1)
+            outputs.append(scaled_attention(query[:, :, rows], keys[None], values[None], slot.mask))
+        return torch.cat(outputs, dim=2)
+
+
 class EagleDrafter(SequenceDrafter[_Sequence]):
     """Chains or trees drafted by an EAGLE ``head``; batched across sequences (one forward per level)."""
 
@@ -111,10 +107,8 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         super().__init__(config, head.vocab_size)
         self.head = head
         self.max_seq_len = int(head.layer_config.max_position_embeddings)
-        attn = head.layers[0].self_attn
-        probe = torch.zeros(1, head.hidden_size)
-        self._kv_heads = attn.k_proj(probe).shape[-1] // attn.head_dim
-        self._head_dim = attn.head_dim
+        self._kv_heads = int(head.layer_config.num_key_value_heads)  # the head is never sharded
+        self._head_dim = head.layers[0].self_attn.head_dim
 
     @classmethod
     def load(cls, directory: Path, config: DraftConfig, *, hidden_size: int, vocab_size: int) -> EagleDrafter:
@@ -152,9 +146,8 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
 
     @torch.inference_mode()
     def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
-        rounds: list[_Round | None] = []
-        for state, budget in zip(self._sequences_for(handles, max_tokens), max_tokens, strict=True):
-            rounds.append(self._plan(state, budget))
+        states = self._sequences_for(handles, max_tokens)
+        rounds = [self._plan(state, budget) for state, budget in zip(states, max_tokens, strict=True)]
         growing = [r for r in rounds if r is not None]
         if growing:
             self._forward_pending(growing)
@@ -165,7 +158,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
                     break
                 self._forward_level(level, depth)
         proposals = []
-        for state, plan in zip((self._sequence(h) for h in handles), rounds, strict=True):
+        for state, plan in zip(states, rounds, strict=True):
             if plan is None:
                 state.outstanding = _Drafted(TokenTree.empty(), (), len(state.text), None, ())
                 proposals.append(Proposal(TokenTree.empty(), None))
@@ -214,7 +207,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         for plan in rounds:
             state, size = plan.draft.sequence, len(plan.pending_tokens)
             mask = attention_mask(state.committed, size, TokenTree.empty())
-            slots.append(_Slot(state, len(tokens), size, mask, plan.scratch_keys, plan.scratch_values))
+            slots.append(_Slot(plan, len(tokens), size, mask))
             tokens += plan.pending_tokens
             features += plan.pending_features
             positions += range(state.committed + 1, state.committed + 1 + size)
@@ -232,7 +225,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
             forwarded = TokenTree(tuple(draft.tokens), tuple(draft.parents))  # every node so far, BFS order
             full = attention_mask(state.committed, len(plan.pending_tokens), forwarded)
             mask = full[[len(plan.pending_tokens) + node for node in frontier]]
-            slots.append(_Slot(state, len(tokens), len(frontier), mask, plan.scratch_keys, plan.scratch_values))
+            slots.append(_Slot(plan, len(tokens), len(frontier), mask))
             for node in frontier:
                 parent = draft.parents[node]
                 tokens.append(draft.tokens[node])
@@ -250,8 +243,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     def _run(
         self, slots: list[_Slot], tokens: list[int], features: list[torch.Tensor], positions: list[int]
     ) -> torch.Tensor:
-        """Packed head forward; the slots' scratch lists (the rounds' own) gain the new K/V. Returns the
-        predicted features [rows, hidden]."""
+        """Packed head forward; the rounds' scratch gains the new K/V. Returns the predicted features [rows, hidden]."""
         predicted = self.head.forward_rows(
             torch.tensor([tokens]), torch.stack(features)[None], torch.tensor([positions]), _PackedAttention(slots)
         )

@@ -38,7 +38,6 @@ from specdec.errors import IncompatibleDraftError, InvalidArgumentError, ModelNo
 
 SPECULATORS_MODEL_TYPE = "eagle"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-_FROZEN = ("embed_tokens.weight", "lm_head.weight")
 
 # attend(layer index, query [B, heads, T, d], key [B, kv_heads, T, d], value) -> [B, heads, T, d]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
