@@ -24,8 +24,6 @@ from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import build_core_drafter, start_drafter
-from router.config import RouterConfig
-from router.server import start_router
 from specdec.client import Client, GenerateResult
 from specdec.drafters import EagleDrafter
 from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
@@ -33,9 +31,8 @@ from specdec.errors import ModelNotFoundError
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
 from tests.test_end_to_end_distribution import LENGTH, PROMPT, VOCAB, _outcome, assert_same_law, exact_law
+from tests.test_router_distribution import served_router
 from tests.tiny_models import tiny_llama
-from verifier_service.config import VerifierConfig
-from verifier_service.server import start_verifier
 
 SAMPLES = 1000
 MAX_TOKENS = LENGTH + 1
@@ -63,23 +60,8 @@ def save_tiny_head(target: LoadedModel, directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def router_address(target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     head = save_tiny_head(target, tmp_path_factory.mktemp("eagle-head"))
-    verifier = start_verifier(VerifierConfig(), model=target)
-    drafter = start_drafter(DrafterConfig(kind="eagle", target="tiny", draft_model=str(head)), target=target)
-    router = start_router(
-        RouterConfig(
-            model=target.name,
-            verifiers=(verifier.address,),
-            drafters=(drafter.address,),
-            grpc_port=0,
-            http_port=0,
-            eos_token_ids=tuple(target.eos_token_ids),
-            max_concurrent_requests=32,
-        )
-    )
-    yield router.grpc_address
-    router.stop(0.5)
-    drafter.stop(0)
-    verifier.stop(0)
+    with served_router(target, DrafterConfig(kind="eagle", target="tiny", draft_model=str(head))) as address:
+        yield address
 
 
 def test_the_eagle_drafter_service_reports_its_feature_width(target: LoadedModel, tmp_path: Path) -> None:

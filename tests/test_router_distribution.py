@@ -9,6 +9,7 @@ batches differently but does not change any sequence's random numbers).
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from drafter_service.server import start_drafter
 from router.config import RouterConfig
 from router.server import start_router
 from specdec.client import Client
+from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
 from tests.test_end_to_end_distribution import LENGTH, PROMPT, VOCAB, _outcome, assert_same_law, exact_law
 from tests.tiny_models import tiny_draft, tiny_llama
@@ -35,11 +37,12 @@ def target():
     return tiny_llama(seed=11, vocab_size=VOCAB, num_layers=2)
 
 
-@pytest.fixture(scope="module")
-def router_address(target) -> Iterator[str]:
-    draft = tiny_draft(target, seed=12, num_layers=1, noise=0.3)
+@contextlib.contextmanager
+def served_router(target: LoadedModel, drafter_config: DrafterConfig, **drafter_models: object) -> Iterator[str]:
+    """A verifier service, one drafter service (``drafter_models``: its ``start_drafter`` models) and a router on
+    loopback; yields the router's gRPC address and stops all three."""
     verifier = start_verifier(VerifierConfig(), model=target)
-    drafter = start_drafter(DrafterConfig(kind="model", draft_model=draft.name), target=target, draft=draft)
+    drafter = start_drafter(drafter_config, target=target, **drafter_models)
     router = start_router(
         RouterConfig(
             model=target.name,
@@ -51,10 +54,19 @@ def router_address(target) -> Iterator[str]:
             max_concurrent_requests=32,
         )
     )
-    yield router.grpc_address
-    router.stop(0.5)
-    drafter.stop(0)
-    verifier.stop(0)
+    try:
+        yield router.grpc_address
+    finally:
+        router.stop(0.5)
+        drafter.stop(0)
+        verifier.stop(0)
+
+
+@pytest.fixture(scope="module")
+def router_address(target) -> Iterator[str]:
+    draft = tiny_draft(target, seed=12, num_layers=1, noise=0.3)
+    with served_router(target, DrafterConfig(kind="model", draft_model=draft.name), draft=draft) as address:
+        yield address
 
 
 def sample_law(address: str, speculation: str, tree_width: int, seed: int) -> Counter:
