@@ -44,7 +44,7 @@ class RouterConfig:
     default_drafter: str = ""
     num_draft_tokens: int = 4
     max_draft_tokens: int = 32
-    pipelining: bool = True
+    default_speculation: str = "auto"
     max_concurrent_requests: int = 64
     max_waiting_requests: int = 0
     retry_after_s: float = 1.0
@@ -85,6 +85,10 @@ class RouterConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgumentError(name, f"must be a positive number of seconds, got {value}")
+        if self.default_speculation not in ("auto", "sequential", "pipelined"):
+            raise InvalidArgumentError(
+                "default_speculation", f"must be auto, sequential or pipelined, got {self.default_speculation!r}"
+            )
         if self.max_waiting_requests < 0:
             raise InvalidArgumentError("max_waiting_requests", f"must be >= 0, got {self.max_waiting_requests}")
         if self.shutdown_grace_s < 0:
@@ -118,7 +122,7 @@ class RouterConfig:
             default_drafter=args.default_drafter,
             num_draft_tokens=args.num_draft_tokens,
             max_draft_tokens=args.max_draft_tokens,
-            pipelining=args.pipelining,
+            default_speculation=args.default_speculation,
             max_concurrent_requests=args.max_concurrent_requests,
             max_waiting_requests=args.max_waiting_requests,
             retry_after_s=args.retry_after_s,
@@ -176,7 +180,10 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--max-draft-tokens", type=int, default=env("max_draft_tokens"), help="largest γ a request may ask"
     )
     parser.add_argument(
-        "--pipelining", action=argparse.BooleanOptionalAction, default=_bool(env("pipelining")), help="default mode"
+        "--default-speculation",
+        choices=("auto", "sequential", "pipelined"),
+        default=env("default_speculation"),
+        help="mode of requests that name none (auto: the draft length adapts every round)",
     )
     parser.add_argument(
         "--max-concurrent-requests", type=int, default=env("max_concurrent_requests"), help="requests run at once"

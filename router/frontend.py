@@ -27,6 +27,7 @@ from router.pipeline import Emit, Final, Session
 from router.requests import GenerateInput, Plan, plan_request
 from router.text import TextStream
 from router.workers import WorkerPool
+from specdec.adaptive import SpeculationController
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,19 @@ class WorkerView:
 class Frontend:
     """The router's request handling, independent of the wire format."""
 
-    def __init__(self, config: RouterConfig, tokenizer: PreTrainedTokenizerBase | None, pool: WorkerPool) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        pool: WorkerPool,
+        controller: SpeculationController | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.pool = pool
         self.metrics = RouterMetrics(config.model)
+        # What every auto request plans with: one per router, so it learns from all of them.
+        self.controller = controller or SpeculationController(config.max_draft_tokens)
         self.running = 0
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()  # each resolves with a slot
         self.draining = False
@@ -135,6 +144,7 @@ class Frontend:
                 text=text,
                 background=self.background,
                 observer=self.metrics,
+                controller=self.controller,
             )
             return await session.run()
         finally:

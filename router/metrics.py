@@ -29,6 +29,7 @@ ITL_BUCKETS += (80.0,)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 E2E_BUCKETS += (480.0, 960.0, 1920.0, 7680.0)
 ROUND_BUCKETS = log_buckets(1e-4, 10.0, 5)  # draft / verify / state / round: 100 µs to 10 s
+DRAFT_SIZE_BUCKETS = (0.0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)
 OVERHEAD_BUCKETS = log_buckets(50e-6, 1.0, 10)  # fine: benches read p50 / p99 of the overhead from it
 
 FINISH_REASONS = ("stop", "length")
@@ -108,6 +109,12 @@ class RouterMetrics:
             OVERHEAD_BUCKETS,
             [],
         )
+        self.draft_size = histogram(
+            "specdec:draft_tokens_per_round",
+            "Draft tokens (tree nodes) verified per round, target-only rounds included (auto: the lengths chosen).",
+            DRAFT_SIZE_BUCKETS,
+            [],
+        )
         self.pipeline_hits = counter("specdec:pipeline_hits", "Pipelined rounds whose pre-drafted chain was used.", [])
         self.pipeline_misses = counter("specdec:pipeline_misses", "Pipelined rounds that discarded it.", [])
         wire_bytes = counter(
@@ -132,6 +139,7 @@ class RouterMetrics:
     def on_round(self, record: RoundRecord) -> None:
         verified = record.verified
         accepted = len(verified.accepted_path)
+        self.draft_size.observe(record.draft_size)
         if record.draft_size:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(record.draft_size)

@@ -28,6 +28,12 @@ asked to ``Propose(assume_previous_accepted)`` chain k+1 concurrently. When the 
 
 Every emitted token comes from the verifier's rule, so pipelining never changes the output distribution.
 
+**Auto**: sequential rounds whose draft length a router-wide :class:`~specdec.adaptive.SpeculationController`
+chooses every round (0: a plain target step, the drafter kept in step by its Commit), up to the request's shape. Each
+session decides for itself, with the rest of its verifier's last forward (positions, sequences: the verdict reports
+them) as the load it shares the forward with; every taken round teaches the controller the request's acceptance and
+the costs (forward by positions, draft per level, the rest).
+
 Monitoring hears the loop through an optional :class:`RoundObserver` (the router's metrics), so this module stays
 free of any metrics library.
 
@@ -52,6 +58,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from router.errors import NoWorkerError, WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
 from router.requests import DraftShape, Plan
 from router.text import TextStream
+from specdec.adaptive import Candidate, SpeculationController
 from specdec.sampling import SamplingParams
 from specdec.stats import AcceptanceCounts
 from specdec.tree import TokenTree
@@ -94,6 +101,8 @@ class Verified:
     logprobs: tuple[float, ...]
     verify_ns: int
     state_ns: int
+    forward_positions: int = 0  # positions in the verifier's forward this verdict came from (0: not reported)
+    batch_size: int = 1  # sequences in that forward
     wire_bytes: int = 0  # size of the verdict's reply on the wire without its feature rows (0: not measured)
     features: object | None = None  # the target's feature rows, encoded: relayed to the drafter unchanged
     feature_bytes: int = 0  # their size on the wire
@@ -277,6 +286,7 @@ class Session:
         text: TextStream | None = None,
         background: set[asyncio.Task[Any]] | None = None,
         observer: RoundObserver | None = None,
+        controller: SpeculationController | None = None,
     ) -> None:
         self.plan = plan
         self.placement = placement
@@ -296,6 +306,10 @@ class Session:
         self._verifier_features = False  # the verifier sequence sends feature rows
         self._inflight: set[asyncio.Task[Any]] = set()
         self._background = background if background is not None else set()
+        self._controller = controller if plan.mode == "auto" else None
+        self._tracker = self._controller.tracker() if self._controller is not None else None
+        self._last_forward: tuple[int, int] = (0, 1)  # (positions, sequences) of the last verdict's forward
+        self._last_size = 0  # nodes this request put into it
 
     @property
     def sequence_id(self) -> str:
@@ -452,10 +466,32 @@ class Session:
         if self._predrafted is not None:
             drafted, self._predrafted = self._predrafted, None
             return drafted
-        if self.drafter is None or self.remaining < 2:  # the round's last token is always the target's
+        budget = self.remaining - 1  # the round's last token is always the target's
+        if self.drafter is not None and self._controller is not None:
+            budget = self._auto_budget(budget)
+        if self.drafter is None or budget < 1:
             await self._flush_commit()
             return None
-        return await self._propose(self.remaining - 1, assume_previous_accepted=False)
+        return await self._propose(budget, assume_previous_accepted=False)
+
+    def _auto_budget(self, budget: int) -> int:
+        """The controller's node budget this round: a chain of its chosen length, or the whole tree or nothing; the
+        rest of the last forward (other sequences) is the load this one shares."""
+        assert self._controller is not None and self._tracker is not None
+        shape = self.plan.shape
+        positions, sequences = self._last_forward
+        nodes = min(budget, shape.tree_budget or shape.tree_width * shape.num_draft_tokens)
+        if shape.is_chain:
+            candidate = Candidate(self._tracker, min(budget, shape.num_draft_tokens))
+        else:
+            candidate = Candidate(self._tracker, shape.num_draft_tokens, nodes)
+        others = max(sequences - 1, 0)
+        [length] = self._controller.choose(
+            [candidate],
+            other_positions=max(positions - self._last_size - 1, others),
+            other_tokens=others * self._controller.tokens_per_round.value,
+        )
+        return length if shape.is_chain else (nodes if length else 0)
 
     async def _drafter_side(self, predraft_budget: int | None) -> Drafted | None:
         """While the verifier works: commit the last verdict, and (pipelining) draft the next chain with it."""
@@ -513,11 +549,26 @@ class Session:
                 self.stats.pipeline_misses += 1
         if self.drafter is not None and self.finish_reason is None:
             self._pending_commit = Commit(base_length, verified.emitted, verified.features)
+        exposed_ns = drafted.draft_ns if fresh and drafted is not None else 0
+        hit = verified.bonus_deferred if pipelined else None
+        record = RoundRecord(size, verified, time.perf_counter_ns() - started, exposed_ns, hit)
+        if self._controller is not None:
+            self._teach(record, drafted.tree.max_depth() if size and drafted is not None else 0)
         if self.observer is not None:
-            exposed_ns = drafted.draft_ns if fresh and drafted is not None else 0
-            wall_ns = time.perf_counter_ns() - started
-            hit = verified.bonus_deferred if pipelined else None
-            self.observer.on_round(RoundRecord(size, verified, wall_ns, exposed_ns, hit))
+            self.observer.on_round(record)
+
+    def _teach(self, record: RoundRecord, depth: int) -> None:
+        """Tell the controller what this round accepted and cost (a forward the verifier did not size is skipped)."""
+        assert self._controller is not None and self._tracker is not None
+        verified = record.verified
+        self._controller.observe_verdict(self._tracker, depth, len(verified.accepted_path))
+        if verified.forward_positions > 0:
+            if self.stats.rounds > 1:  # the first verdict's forward holds this request's own prompt
+                self._last_forward = (verified.forward_positions, verified.batch_size)
+                self._last_size = record.draft_size
+            forward_s, draft_s = verified.verify_ns / 1e9, record.exposed_draft_ns / 1e9
+            other_s = record.wall_ns / 1e9 - forward_s - draft_s
+            self._controller.observe_round(verified.forward_positions, forward_s, depth, draft_s, other_s)
 
     def _take(self, verified: Verified) -> Chunk:
         """Account the verdict's tokens (cut at the budget or a stop string); set ``finish_reason`` when done."""

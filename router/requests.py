@@ -19,8 +19,8 @@ from specdec.drafters import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
 from specdec.sampling import SamplingParams
 
-Mode = Literal["off", "sequential", "pipelined"]
-MODES: tuple[str, ...] = ("off", "sequential", "pipelined")
+Mode = Literal["off", "sequential", "pipelined", "auto"]
+MODES: tuple[str, ...] = ("off", "sequential", "pipelined", "auto")
 MAX_TREE_WIDTH = 16
 MAX_STOP_STRINGS = 16
 UINT64 = 1 << 64
@@ -81,7 +81,8 @@ class DraftShape:
 class Plan:
     """A validated request, ready for the round loop.
 
-    ``mode`` is the speculation actually used: pipelining needs a chain (a tree's assumed path is the drafter's
+    ``mode`` is the speculation actually used (``"auto"``: sequential rounds whose draft length adapts, see
+    :mod:`router.pipeline`): pipelining needs a chain (a tree's assumed path is the drafter's
     guess, which the router cannot check against the verdict), so a tree request runs ``"sequential"``.
     ``drafter_kind`` is ``None`` for any kind. ``eos_token_ids`` only tells "stop" from "length" when EOS is
     the last token the budget allows; the verifier decides when generation ends.
@@ -221,8 +222,7 @@ def _speculation(request: GenerateInput, config: RouterConfig, kinds: Collection
         )
     if request.speculation == "off" or kind == "none" or not config.drafters:
         return "off", None
-    mode = request.speculation or ("pipelined" if config.pipelining else "sequential")
-    return cast(Mode, mode), kind or None
+    return cast(Mode, request.speculation or config.default_speculation), kind or None
 
 
 def _shape(request: GenerateInput, config: RouterConfig) -> DraftShape:

@@ -25,6 +25,7 @@ from router.http import build_app
 from router.servicer import SERVICE_NAME, RouterServicer, add_to_server
 from router.workers import WorkerPool
 from specdec.models import load_tokenizer
+from specdec.adaptive import SpeculationController
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,8 +81,14 @@ class RunningRouter:
         await self.frontend.pool.close()
 
 
-def start_router(config: RouterConfig, *, tokenizer: PreTrainedTokenizerBase | None = None) -> RunningRouter:
-    """Start the router described by ``config``; ``tokenizer`` (else loaded from ``config.tokenizer``) is for text.
+def start_router(
+    config: RouterConfig,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    controller: SpeculationController | None = None,
+) -> RunningRouter:
+    """Start the router described by ``config``; ``tokenizer`` (else loaded from ``config.tokenizer``) is for text;
+    ``controller`` (else one from the config) chooses the draft lengths of ``auto`` requests.
 
     Workers are checked once before serving; ones that are down are retried by the health loop.
     """
@@ -90,7 +97,7 @@ def start_router(config: RouterConfig, *, tokenizer: PreTrainedTokenizerBase | N
     loop_thread = EventLoopThread()
     try:
         pool = loop_thread.run(WorkerPool.start(config))
-        frontend = Frontend(config, tokenizer, pool)
+        frontend = Frontend(config, tokenizer, pool, controller)
         http_runner, http_address = loop_thread.run(_start_http(frontend))
         grpc_server = loop_thread.run(
             start_aio_server(

@@ -31,6 +31,7 @@ _MODES = {
     router_pb2.SPECULATION_MODE_OFF: "off",
     router_pb2.SPECULATION_MODE_SEQUENTIAL: "sequential",
     router_pb2.SPECULATION_MODE_PIPELINED: "pipelined",
+    router_pb2.SPECULATION_MODE_AUTO: "auto",
 }
 
 
@@ -84,6 +85,7 @@ def final_to_wire(final: Final) -> router_pb2.GenerateResponse:
             draft_tokens=stats.draft_tokens,
             accepted_tokens=stats.accepted_tokens,
             accepted_per_position=stats.accepted_per_position,
+            rounds_per_draft_size=stats.rounds_per_draft_size,
             draft_ns=stats.draft_ns,
             verify_ns=stats.verify_ns,
             state_ns=stats.state_ns,

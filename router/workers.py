@@ -230,6 +230,8 @@ class GrpcVerifier(WorkerClient):
             logprobs=tuple(verdict.logprobs),
             verify_ns=reply.verify_ns,
             state_ns=reply.state_ns,
+            forward_positions=reply.forward_positions,
+            batch_size=reply.batch_size,
             wire_bytes=reply.ByteSize() - feature_bytes,
             features=features,
             feature_bytes=feature_bytes,

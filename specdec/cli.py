@@ -58,7 +58,9 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     remote = parser.add_argument_group("through a router (--router)")
     remote.add_argument("--router", metavar="HOST:PORT", help="generate on a router instead of in this process")
-    remote.add_argument("--speculation", choices=("off", "sequential", "pipelined"), help="default: the router's")
+    remote.add_argument(
+        "--speculation", choices=("off", "sequential", "pipelined", "auto"), help="default: the router's"
+    )
     remote.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
     remote.add_argument("--timeout", type=float, default=120.0, help="deadline of the request, in seconds")
     remote.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")

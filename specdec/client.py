@@ -31,6 +31,7 @@ _MODES = {
     "off": router_pb2.SPECULATION_MODE_OFF,
     "sequential": router_pb2.SPECULATION_MODE_SEQUENTIAL,
     "pipelined": router_pb2.SPECULATION_MODE_PIPELINED,
+    "auto": router_pb2.SPECULATION_MODE_AUTO,
 }
 
 
@@ -105,6 +106,7 @@ class Stats:
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: list[int]
+    rounds_per_draft_size: list[int]  # [n]: rounds that proposed n draft tokens (under auto: the lengths chosen)
     draft_s: float
     verify_s: float
     state_s: float
@@ -166,7 +168,7 @@ class GenerateOptions(TypedDict, total=False):
     seed: int
     stop: Sequence[str]
     ignore_eos: bool
-    speculation: Literal["off", "sequential", "pipelined"]
+    speculation: Literal["off", "sequential", "pipelined", "auto"]
     drafter: str  # "none", "ngram", "model" or "early-exit"
     num_draft_tokens: int
     tree_width: int
@@ -188,7 +190,7 @@ def build_request(
         sampling.top_p = options["top_p"]
     speculation = options.get("speculation")
     if speculation not in _MODES:
-        raise ValueError(f"speculation must be one of off, sequential, pipelined, got {speculation!r}")
+        raise ValueError(f"speculation must be one of off, sequential, pipelined, auto, got {speculation!r}")
     request = router_pb2.GenerateRequest(
         prompt=prompt or "",
         prompt_ids=list(prompt_ids or ()),
@@ -225,6 +227,7 @@ def chunk_from_wire(message: router_pb2.GenerateResponse) -> Chunk:
             draft_tokens=stats.draft_tokens,
             accepted_tokens=stats.accepted_tokens,
             accepted_per_position=list(stats.accepted_per_position),
+            rounds_per_draft_size=list(stats.rounds_per_draft_size),
             draft_s=stats.draft_ns / 1e9,
             verify_s=stats.verify_ns / 1e9,
             state_s=stats.state_ns / 1e9,

@@ -6,6 +6,10 @@ emitted, then the target and the drafter commit the accepted path. With no draft
 is a plain target step on the same runner: that is the target-only baseline. The verification
 side is :class:`~specdec.verification.BatchVerifier`, the same code the verifier service runs;
 the drafter draws from the sequence's random stream too.
+
+With a :class:`~specdec.adaptive.SpeculationController` (``speculation: auto``) each round's draft length of
+every sequence is the controller's choice, from the acceptance it measured and the costs of the rounds it saw:
+anything from a plain target step (0) to the drafter's configured shape.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from specdec.adaptive import AcceptanceTracker, Candidate, SpeculationController
 from specdec.drafters.base import Drafter, Proposal
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
@@ -63,6 +68,7 @@ class _Sequence:
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     released: bool = False
+    tracker: AcceptanceTracker | None = None  # its acceptance by position, when the draft length adapts
 
     @property
     def remaining(self) -> int:
@@ -70,12 +76,20 @@ class _Sequence:
 
 
 class Engine:
-    """Generates for a batch of requests with ``drafter`` (or target-only when ``None``)."""
+    """Generates for a batch of requests with ``drafter`` (or target-only when ``None``); with ``controller``, the
+    draft length of every sequence adapts each round (up to the drafter's configured shape)."""
 
-    def __init__(self, runner: KVRunner, eos_token_ids: frozenset[int], drafter: Drafter | None = None) -> None:
+    def __init__(
+        self,
+        runner: KVRunner,
+        eos_token_ids: frozenset[int],
+        drafter: Drafter | None = None,
+        controller: SpeculationController | None = None,
+    ) -> None:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.drafter = drafter
+        self.controller = controller if drafter is not None else None
         self._verifier = BatchVerifier(runner)
         self._ids = itertools.count()
 
@@ -114,7 +128,8 @@ class Engine:
             ignore_eos=request.ignore_eos,
             features=self.drafter is not None and self.drafter.feature_width > 0,
         )
-        sequence = _Sequence(request, sequence_id, None)
+        tracker = self.controller.tracker() if self.controller is not None else None
+        sequence = _Sequence(request, sequence_id, None, tracker=tracker)
         if self.drafter is not None:
             try:
                 generator = self._verifier.generator(sequence_id)
@@ -150,6 +165,8 @@ class Engine:
             self._record(sequence, proposal, outcome, drafted - started, time.perf_counter() - committed)
             if sequence.finish_reason is not None:
                 self._close(sequence)
+        if self.controller is not None:
+            self._observe(active, proposals, outcomes, drafted - started, time.perf_counter() - started)
 
     def _propose(self, active: list[_Sequence]) -> list[Proposal]:
         empty = Proposal(TokenTree.empty(), None)
@@ -157,7 +174,37 @@ class Engine:
             return [empty] * len(active)
         # The round's final token is always the target's, so draft at most remaining - 1.
         handles = [s.draft_handle for s in active]
-        return self.drafter.propose(handles, [s.remaining - 1 for s in active])
+        budgets = [s.remaining - 1 for s in active]
+        if self.controller is not None:
+            budgets = self._adaptive_budgets(active, budgets)
+        return self.drafter.propose(handles, budgets)
+
+    def _adaptive_budgets(self, active: list[_Sequence], budgets: list[int]) -> list[int]:
+        """The controller's node budget for each sequence: a chain of its chosen length, or the whole tree or none."""
+        config = self.drafter.config
+        depth = config.num_draft_tokens
+        if config.tree_width <= 1:
+            candidates = [Candidate(s.tracker, min(budget, depth)) for s, budget in zip(active, budgets, strict=True)]
+            return self.controller.choose(candidates)
+        nodes = [min(budget, config.max_nodes) for budget in budgets]
+        candidates = [Candidate(s.tracker, depth, n) for s, n in zip(active, nodes, strict=True)]
+        return [n if length else 0 for n, length in zip(nodes, self.controller.choose(candidates), strict=True)]
+
+    def _observe(
+        self,
+        active: list[_Sequence],
+        proposals: list[Proposal],
+        outcomes: list[VerifyOutcome],
+        draft_s: float,
+        round_s: float,
+    ) -> None:
+        """Tell the controller what each sequence accepted and what the round cost."""
+        depths = [proposal.tree.max_depth() for proposal in proposals]
+        for sequence, depth, outcome in zip(active, depths, outcomes, strict=True):
+            self.controller.observe_verdict(sequence.tracker, depth, outcome.verdict.num_accepted)
+        forward = outcomes[0]
+        other_s = round_s - draft_s - forward.verify_s
+        self.controller.observe_round(forward.forward_positions, forward.verify_s, max(depths), draft_s, other_s)
 
     def _record(
         self, sequence: _Sequence, proposal: Proposal, outcome: VerifyOutcome, draft_s: float, drafter_commit_s: float

@@ -13,6 +13,7 @@ class AcceptanceCounts:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    rounds_per_draft_size: list[int] = field(default_factory=list)  # [n]: rounds that proposed n nodes
 
     @property
     def mean_accepted_length(self) -> float:
@@ -24,6 +25,8 @@ class AcceptanceCounts:
         self.rounds += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
+        self.rounds_per_draft_size.extend([0] * (drafted + 1 - len(self.rounds_per_draft_size)))
+        self.rounds_per_draft_size[drafted] += 1
         self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
         for position in range(accepted):
             self.accepted_per_position[position] += 1

@@ -110,7 +110,8 @@ class VerifyOutcome:
     only the accepted tokens (no final token) and ``finished`` is False. ``logprobs`` (when the sequence asked
     for them) is ``log p(token)`` of each emitted token under the processed ``p`` row it was accepted or drawn
     at (0 under greedy, where ``p`` is one-hot). ``verify_s`` is the batch's target forward plus acceptance
-    rule, ``commit_s`` its KV commits; ``batch_size`` counts the calls verified together.
+    rule, ``commit_s`` its KV commits; ``batch_size`` counts the calls verified together and ``forward_positions``
+    the positions their forward ran (prefill chunks included): the cost curve's abscissa.
 
     ``features`` (when the sequence was opened with ``features``) [R, hidden] float32: the target's feature rows
     (:meth:`~specdec.runner.KVRunner.forward_features`) of the positions ``feature_start .. feature_start + R - 1``
@@ -126,6 +127,7 @@ class VerifyOutcome:
     verify_s: float
     commit_s: float
     batch_size: int
+    forward_positions: int = 0
     features: torch.Tensor | None = None
     feature_start: int = 0
 
@@ -314,7 +316,7 @@ class BatchVerifier:
         started = time.perf_counter()
         jobs = [self._job(call) for call in calls]
         chunks = [(self._sequences[chunk.sequence_id], chunk.num_tokens) for chunk in prefills]
-        self._forward(jobs, chunks)
+        positions = self._forward(jobs, chunks)
         self._decide(jobs)
         verified = time.perf_counter()
         for job in jobs:
@@ -332,6 +334,7 @@ class BatchVerifier:
                 verify_s=verified - started,
                 commit_s=committed - verified,
                 batch_size=len(calls),
+                forward_positions=positions,
                 **_take_features(job.sequence, self.runner.hidden_size),
             )
             for job in jobs
@@ -355,9 +358,9 @@ class BatchVerifier:
         forwarded = sequence.root_row is None or len(call.proposal.tree) > 0
         return _Job(call, sequence, forwarded, sequence.runner_seq, len(sequence.pending))
 
-    def _forward(self, jobs: list[_Job], chunks: list[tuple[_Sequence, int]]) -> None:
+    def _forward(self, jobs: list[_Job], chunks: list[tuple[_Sequence, int]]) -> int:
         """One runner forward for every job that needs it and every prefill chunk (the first ``count`` pending
-        tokens, no tree); fill ``job.rows`` [N + 1, V] for the rule."""
+        tokens, no tree); fill ``job.rows`` [N + 1, V] for the rule. Returns the positions forwarded."""
         forwarded = [job for job in jobs if job.forwarded]
         items = [ForwardItem(job.runner_seq, job.sequence.pending, job.call.proposal.tree) for job in forwarded]
         items += [ForwardItem(sequence.runner_seq, sequence.pending[:count]) for sequence, count in chunks]
@@ -379,6 +382,7 @@ class BatchVerifier:
             root = job.sequence.root_row
             if root is not None:  # the kept row at the last committed token is row 0
                 job.rows = root[None] if job.rows is None else torch.cat([root[None], job.rows])
+        return sum(len(item.pending) + len(item.tree) for item in items)
 
     def _decide(self, jobs: list[_Job]) -> None:
         """The acceptance rule per job (greedy alone; sampled batched per sibling scheme), then deferral."""

@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.adaptive import SpeculationController
 from specdec.cli import encode_prompt
 from specdec.drafters import DraftConfig, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult
 from specdec.models import LoadedModel
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
+from tests.controllers import CyclingController
 from tests.eagle_heads import memorised_head
 from tests.tiny_models import smollm2
 
@@ -71,12 +73,18 @@ def prompts(target: LoadedModel) -> dict[str, list[int]]:
 
 
 def generate(
-    target: LoadedModel, kind: str, config: DraftConfig, prompts: list[list[int]], head: Path | None = None
+    target: LoadedModel,
+    kind: str,
+    config: DraftConfig,
+    prompts: list[list[int]],
+    head: Path | None = None,
+    controller: SpeculationController | None = None,
 ) -> list[GenerationResult]:
-    """Greedy, EOS ignored, all ``prompts`` in one ``Engine.generate`` call on a fresh runner."""
+    """Greedy, EOS ignored, all ``prompts`` in one ``Engine.generate`` call on a fresh runner (``controller``: the
+    draft lengths adapt, speculation ``auto``)."""
     draft_model = str(head) if kind == "eagle" else target
     drafter = build_drafter(kind, target, config, draft_model=draft_model, early_exit_layers=EARLY_EXIT_LAYERS)
-    engine = Engine(KVRunner(target.model), target.eos_token_ids, drafter)
+    engine = Engine(KVRunner(target.model), target.eos_token_ids, drafter, controller)
     requests = [GenerationRequest(ids, GREEDY, MAX_TOKENS, seed=0, ignore_eos=True) for ids in prompts]
     results = engine.generate(requests)
     assert engine.runner.num_open == 0
@@ -168,6 +176,23 @@ def test_speculation_equals_target_only(name: str, target, prompts, target_only,
                 assert stats.accepted_tokens >= 0.95 * stats.draft_tokens, (prompt, stats)
             else:
                 assert stats.accepted_per_position[0] >= 0.95 * (stats.rounds - 1), (prompt, stats)
+
+
+@pytest.mark.parametrize(("drafter", "controller"), [("eagle", "cycling"), ("model-tree", "measured")])
+def test_auto_speculation_equals_target_only(drafter: str, controller: str, target, prompts, target_only, request):
+    """Draft lengths that change every round (a fixed cycle through 0..4, or the real controller's choices from
+    what it measures) leave greedy output unchanged."""
+    kind, config, _ = DRAFTERS[drafter]
+    head = request.getfixturevalue("eagle_head") if kind == "eagle" else None
+    chooser = CyclingController() if controller == "cycling" else SpeculationController(config.num_draft_tokens)
+    results = generate(target, kind, config, list(prompts.values()), head, chooser)
+    got = {prompt: result.token_ids for prompt, result in zip(prompts, results, strict=True)}
+    assert_all_equal(target, prompts, target_only, got, f"auto {drafter} ({controller}) vs target-only")
+    for result in results:
+        sizes = result.stats.rounds_per_draft_size
+        assert sum(sizes) == result.stats.rounds
+        if controller == "cycling":  # target-only rounds, and chains of several lengths (a tree goes whole)
+            assert sizes[0] > 0 and sum(count > 0 for count in sizes[1:]) >= (2 if config.tree_width == 1 else 1)
 
 
 def test_target_only_matches_hugging_face_generate(target, prompts, target_only) -> None:

@@ -6,7 +6,7 @@ the feature rows in each reply.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
 
 from grpc_common.metrics import BATCH_SIZE_BUCKETS, log_buckets
 
@@ -29,6 +29,13 @@ class VerifierMetrics:
             buckets=log_buckets(1e-4, 10.0, 5),
             registry=registry,
         )
+        self._forward_cost = Summary(
+            "specdec:verifier_forward_cost_seconds",
+            "Time of one batched verification by the positions in its forward (label: the power of two at or above "
+            "the count): sum / count per label is the cost curve adaptive speculation plans with.",
+            ["positions"],
+            registry=registry,
+        )
         self.verify_calls = Counter("specdec:verifier_verify_calls", "Verify calls answered.", registry=registry)
         self.prefill_chunks = Counter(
             "specdec:verifier_prefill_chunks",
@@ -49,3 +56,9 @@ class VerifierMetrics:
         )
         self.received_bytes = wire_bytes.labels("received")
         self.feature_bytes = wire_bytes.labels("features")
+
+    def observe_forward(self, positions: int, seconds: float) -> None:
+        """One batched verification of ``positions`` positions that took ``seconds``."""
+        self.forward_seconds.observe(seconds)
+        bucket = 1 << max(positions - 1, 0).bit_length()
+        self._forward_cost.labels(str(bucket)).observe(seconds)

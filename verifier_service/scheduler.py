@@ -218,7 +218,8 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
             for chunk in chunks:
                 self._fail_carried(chunk.sequence_id, error)
             return
-        self.metrics.forward_seconds.observe(time.perf_counter() - started)
+        positions = outcomes[0].forward_positions if outcomes else sum(chunk.num_tokens for chunk in chunks)
+        self.metrics.observe_forward(positions, time.perf_counter() - started)
         self.metrics.batch_size.observe(len(ready) + len(chunks))
         self.metrics.prefill_chunks.inc(len(chunks))
         if ready:

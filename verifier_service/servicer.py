@@ -91,6 +91,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             state_ns=round(outcome.commit_s * 1e9),
             batch_size=outcome.batch_size,
             features=features,
+            forward_positions=outcome.forward_positions,
         )
 
     def _submit_close(self, request: verifier_pb2.CloseVerifyRequest) -> Submitted:

@@ -111,6 +111,8 @@ class Proposal:
 class Drafter(Protocol):
     """Per-sequence drafting state; all calls for many sequences are batched where the drafter can."""
 
+    config: DraftConfig  # the candidate shape of sequences opened without their own
+
     def open(
         self, prompt: list[int], params: SamplingParams, generator: torch.Generator, config: DraftConfig | None = None
     ) -> int:

@@ -1,0 +1,260 @@
+"""Adaptive speculation: each round, the draft lengths that maximise expected committed tokens per second.
+
+A chain of length γ whose positions are accepted with conditional rates α_1..α_γ (position i is accepted given that
+1..i-1 were) commits ``E(γ) = 1 + Σ_{k=1..γ} Π_{i≤k} α_i`` tokens per round in expectation: the round's last token
+is always the target's. Verifying a batch whose requests draft γ_r takes about
+
+    T = overhead_s + draft_level_s · max_r γ_r + forward_s(Σ_r (1 + γ_r))
+
+seconds: a fixed cost per round (router, wire, queueing), one draft step per level (drafting is batched across
+sequences level by level), and one target forward over every position (the curve the verifier's forwards trace).
+:class:`SpeculationController` picks the γ_r that maximise the batch's goodput ``Σ_r E_r(γ_r) / T`` (SmartSpec's
+objective), from each request's measured, decayed acceptance by position (:class:`AcceptanceTracker`) and the
+measured costs (:class:`ForwardCostCurve`, :class:`RoundCost`). When verification is the bottleneck and a drafted
+token costs more time than it commits, every γ_r is 0: plain target steps.
+
+The choice is a control decision only: whatever proposal goes out, the verifier's acceptance rule keeps the output
+distribution exactly the target's, so no choice here can change what is sampled.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PRIOR_FORWARD_S = 0.01  # a guess at a one-position forward until one is measured
+PRIOR_SLOPE = 0.125  # ...and at what each further position adds, relative to it (then scaled by measurements)
+
+
+class MovingAverage:
+    """An exponential moving average; ``value`` is ``initial`` until the first sample."""
+
+    def __init__(self, initial: float = 0.0, smoothing: float = 0.2) -> None:
+        self.value = initial
+        self.samples = 0
+        self._smoothing = smoothing
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.samples == 0 else self.value + self._smoothing * (sample - self.value)
+        self.samples += 1
+
+
+class ForwardCostCurve:
+    """Seconds of one target forward against the positions in it, learnt from measured forwards.
+
+    Each measured forward moves a moving average at its position count. A query between measured counts
+    interpolates linearly; past either end it goes on from the nearest measured count along the least-squares slope
+    of every measured count (never downhill): a slope fitted to all the points, not to the two nearest, so a noisy
+    pair cannot make one more position look free or dear. Before two counts are measured the curve is the line
+    ``prior_s · (1 + PRIOR_SLOPE · (n - 1))``, scaled through the count measured, if any.
+    """
+
+    def __init__(self, prior_s: float = PRIOR_FORWARD_S, smoothing: float = 0.2) -> None:
+        self._prior_s = prior_s
+        self._smoothing = smoothing
+        self._positions: list[int] = []  # sorted measured counts
+        self._averages: dict[int, MovingAverage] = {}
+
+    def observe(self, positions: int, seconds: float) -> None:
+        if positions < 1 or seconds <= 0:
+            return
+        average = self._averages.get(positions)
+        if average is None:
+            average = self._averages[positions] = MovingAverage(smoothing=self._smoothing)
+            bisect.insort(self._positions, positions)
+        average.add(seconds)
+
+    def points(self) -> list[tuple[int, float]]:
+        """The measured curve: (positions, seconds) by increasing positions."""
+        return [(n, self._averages[n].value) for n in self._positions]
+
+    def seconds(self, positions: int) -> float:
+        known = self._positions
+        if len(known) < 2:
+            scale = self._prior_s if not known else self._averages[known[0]].value / self._prior_line(known[0])
+            return scale * self._prior_line(positions)
+        index = bisect.bisect_left(known, positions)
+        if 0 < index < len(known):
+            low, high = known[index - 1], known[index]
+            low_s, high_s = self._averages[low].value, self._averages[high].value
+            return low_s + (high_s - low_s) * (positions - low) / (high - low)
+        if index == 0 and known[0] == positions:
+            return self._averages[positions].value
+        nearest = known[0] if index == 0 else known[-1]
+        return max(self._averages[nearest].value + self._slope() * (positions - nearest), 0.0)
+
+    def _slope(self) -> float:
+        points = self.points()
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_s = sum(s for _, s in points) / len(points)
+        spread = sum((n - mean_n) ** 2 for n, _ in points)
+        return max(sum((n - mean_n) * (s - mean_s) for n, s in points) / spread, 0.0)
+
+    @staticmethod
+    def _prior_line(positions: int) -> float:
+        return 1 + PRIOR_SLOPE * (positions - 1)
+
+
+@dataclass
+class RoundCost:
+    """What a round costs besides its forward: per draft level, and fixed (router, wire, queueing)."""
+
+    forward: ForwardCostCurve = field(default_factory=ForwardCostCurve)
+    draft_level_s: MovingAverage = field(default_factory=MovingAverage)
+    overhead_s: MovingAverage = field(default_factory=MovingAverage)
+
+    def seconds(self, positions: int, draft_levels: int) -> float:
+        """A round with ``positions`` in its forward whose longest draft has ``draft_levels`` levels."""
+        return self.overhead_s.value + self.draft_level_s.value * draft_levels + self.forward.seconds(positions)
+
+
+class AcceptanceTracker:
+    """One request's acceptance by draft position: decayed counts of tries and acceptances, shrunk to a prior.
+
+    Position i was *tried* in a round when the proposal reached depth i and positions 1..i-1 were accepted. The
+    rate at i is ``(accepted_i + w · prior_i) / (tried_i + w)`` (``prior_i``: see :meth:`rates`). Every
+    observation decays the old counts (``decay``), and so does a round with no proposal, so evidence of a request
+    that stopped drafting fades back to the prior and the controller tries again.
+    """
+
+    def __init__(self, prior: Sequence[float], *, prior_weight: float = 2.0, decay: float = 0.95) -> None:
+        self.prior = list(prior)
+        self._weight = prior_weight
+        self._decay = decay
+        self._tried = [0.0] * len(self.prior)
+        self._accepted = [0.0] * len(self.prior)
+
+    @property
+    def max_length(self) -> int:
+        return len(self.prior)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A round that proposed a chain (or tree) ``proposed`` deep and accepted ``accepted`` positions."""
+        self.fade()
+        for position in range(min(accepted + 1, proposed, self.max_length)):
+            self._tried[position] += 1
+            self._accepted[position] += position < accepted
+
+    def fade(self) -> None:
+        """Decay the evidence (a round that proposed nothing)."""
+        self._tried = [count * self._decay for count in self._tried]
+        self._accepted = [count * self._decay for count in self._accepted]
+
+    def rates(self) -> list[float]:
+        """α_1..α_max: the estimated acceptance rate of each position given the ones before it.
+
+        Position 1 shrinks to ``prior[0]``, every later one to the estimate just before it: a position the request
+        has not reached yet is expected to do as well as the deepest one measured, so the controller tries it
+        (a fixed prior there would keep a well-accepted request from ever drafting deeper than it already has).
+        """
+        w, rates, prior = self._weight, [], self.prior[0]
+        for accepted, tried in zip(self._accepted, self._tried, strict=True):
+            prior = (accepted + w * prior) / (tried + w)
+            rates.append(prior)
+        return rates
+
+    def gains(self, length: int) -> list[float]:
+        """What each position adds to the expected committed tokens: ``Π_{i≤k} α_i`` for k = 1..length."""
+        gains, reach = [], 1.0
+        for rate in self.rates()[:length]:
+            reach *= rate
+            gains.append(reach)
+        return gains
+
+    def expected_tokens(self, length: int) -> float:
+        """``E(length)``: tokens a round drafting ``length`` commits in expectation (1 with no draft)."""
+        return 1 + sum(self.gains(length))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One request of the batch being planned: its tracker, the longest draft it may have this round, and for a
+    tree the nodes its full tree holds (a tree is sent whole or not at all; None: a chain, one node per level)."""
+
+    tracker: AcceptanceTracker
+    max_length: int
+    tree_nodes: int | None = None
+
+
+class SpeculationController:
+    """Chooses every request's draft length each round to maximise the batch's expected tokens per second.
+
+    One controller serves one engine or one router: it learns the costs from every round it is told about, and
+    the population's acceptance by position, which is the prior of each new request's tracker.
+    """
+
+    def __init__(self, max_length: int, *, prior_rate: float = 0.5, population_decay: float = 0.98) -> None:
+        self.max_length = max_length
+        self.cost = RoundCost()
+        self.population = AcceptanceTracker([prior_rate] * max_length, decay=population_decay)
+        self.tokens_per_round = MovingAverage(initial=1.0)  # committed per sequence per round, all requests
+
+    def tracker(self) -> AcceptanceTracker:
+        """A new request's tracker, starting from what the population accepts."""
+        return AcceptanceTracker(self.population.rates())
+
+    def observe_verdict(self, tracker: AcceptanceTracker, proposed: int, accepted: int) -> None:
+        """A request's round: ``proposed`` draft levels (0: none), ``accepted`` of them accepted."""
+        self.tokens_per_round.add(accepted + 1)
+        if proposed == 0:
+            tracker.fade()
+            return
+        tracker.observe(proposed, accepted)
+        self.population.observe(proposed, accepted)
+
+    def observe_round(
+        self, positions: int, forward_s: float, draft_levels: int, draft_s: float, other_s: float
+    ) -> None:
+        """One measured round: a forward over ``positions`` that took ``forward_s``; ``draft_levels`` levels drafted
+        in ``draft_s``; ``other_s`` of the round's wall time was neither."""
+        self.cost.forward.observe(positions, forward_s)
+        if draft_levels > 0:
+            self.cost.draft_level_s.add(draft_s / draft_levels)
+        self.cost.overhead_s.add(max(other_s, 0.0))
+
+    def choose(
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        other_positions: int = 0,
+        other_tokens: float = 0.0,
+    ) -> list[int]:
+        """Each candidate's draft length (0: a plain target step) for this round.
+
+        ``other_positions`` / ``other_tokens``: what sequences not planned here (other requests decided on their
+        own, sharing the verifier's forward) add to it in positions and expected committed tokens.
+
+        Each extra position of a request adds its gain ``Π α`` to the expected tokens, and gains fall along a chain,
+        so the increments are taken best gain per position first and the best prefix of that order is kept. Were the
+        round cost a function of the position count alone, that would be the optimum (among all choices with n
+        positions the n best gains win); the draft term (the longest chain's levels) makes it a close heuristic.
+        """
+        # (-gain per position, level, request, positions added, draft levels it needs)
+        increments: list[tuple[float, int, int, int, int]] = []
+        for index, candidate in enumerate(candidates):
+            length = min(candidate.max_length, candidate.tracker.max_length)
+            gains = candidate.tracker.gains(length)
+            if candidate.tree_nodes is not None:
+                if length > 0 and candidate.tree_nodes > 0:
+                    gain = sum(gains)
+                    increments.append((-gain / candidate.tree_nodes, 0, index, candidate.tree_nodes, length))
+                continue
+            increments.extend((-gain, level, index, 1, level + 1) for level, gain in enumerate(gains))
+        increments.sort()
+        positions = other_positions + len(candidates)
+        tokens = other_tokens + len(candidates)
+        levels = 0
+        best_rate = tokens / self.cost.seconds(positions, 0)
+        best_prefix = 0
+        for taken, (negative_gain, _, _, added, level) in enumerate(increments, start=1):
+            positions += added
+            tokens += -negative_gain * added
+            levels = max(levels, level)
+            rate = tokens / self.cost.seconds(positions, levels)
+            if rate > best_rate:
+                best_rate, best_prefix = rate, taken
+        lengths = [0] * len(candidates)
+        for _, _, index, _, level in increments[:best_prefix]:
+            lengths[index] = max(lengths[index], level)
+        return lengths

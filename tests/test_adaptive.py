@@ -1,0 +1,119 @@
+"""The adaptive speculation controller against worked examples and a simulated verifier cost curve."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from specdec.adaptive import AcceptanceTracker, Candidate, ForwardCostCurve, SpeculationController
+
+
+def controller_with(forward_ms, *, draft_level_ms: float = 0.0, overhead_ms: float = 0.0, max_length: int = 8):
+    """A controller whose costs were measured on a verifier with ``forward_ms(positions)``."""
+    controller = SpeculationController(max_length)
+    for positions in range(1, 65):
+        controller.cost.forward.observe(positions, forward_ms(positions) / 1e3)
+    controller.cost.draft_level_s.add(draft_level_ms / 1e3)
+    controller.cost.overhead_s.add(overhead_ms / 1e3)
+    return controller
+
+
+def fixed_tracker(rate: float, length: int = 8) -> AcceptanceTracker:
+    return AcceptanceTracker([rate] * length)
+
+
+def test_tracker_rates_shrink_observations_to_the_prior() -> None:
+    tracker = AcceptanceTracker([0.5, 0.5, 0.5], prior_weight=4.0, decay=1.0)
+    tracker.observe(proposed=3, accepted=1)  # position 1 accepted, 2 tried and rejected, 3 never tried
+    # position 1 shrinks to the prior 0.5, each later one to the estimate before it
+    assert tracker.rates() == pytest.approx([(1 + 4 * 0.5) / 5, (0 + 4 * 0.6) / 5, 0.48])
+    assert tracker.expected_tokens(2) == pytest.approx(1 + 0.6 + 0.6 * 0.48)
+
+
+def test_tracker_forgets_when_nothing_is_proposed() -> None:
+    tracker = AcceptanceTracker([0.5], prior_weight=1.0, decay=0.5)
+    for _ in range(4):
+        tracker.observe(proposed=1, accepted=0)
+    low = tracker.rates()[0]
+    for _ in range(10):
+        tracker.fade()
+    assert low < 0.2 and tracker.rates()[0] == pytest.approx(0.5, abs=0.01)
+
+
+def test_cost_curve_interpolates_and_extends() -> None:
+    curve = ForwardCostCurve()
+    curve.observe(1, 0.010)
+    assert curve.seconds(9) == pytest.approx(0.010 * (1 + 0.125 * 8))  # one point: the prior line through it
+    curve.observe(5, 0.015)
+    assert curve.seconds(3) == pytest.approx(0.0125)
+    assert curve.seconds(9) == pytest.approx(0.015 + 0.00125 * 4)
+    assert curve.points() == [(1, 0.010), (5, 0.015)]
+
+
+def test_memory_bound_verifier_worked_example() -> None:
+    # forward 10 ms + 1 ms per extra position, 0.5 ms per draft level, every position accepted at 0.8:
+    # E(γ)/T(γ) in tokens/s is 100, 156.5, 187.7, 203.6, 210.1, 210.8, 208.0, 203.0, 196.8 for γ = 0..8.
+    controller = controller_with(lambda n: 10 + (n - 1), draft_level_ms=0.5)
+    assert controller.choose([Candidate(fixed_tracker(0.8), 8)]) == [5]
+    assert controller.choose([Candidate(fixed_tracker(0.8), 3)]) == [3]  # capped by the request
+
+
+def test_no_speculation_when_every_position_costs_a_forward() -> None:
+    # A compute-bound verifier: each position costs as much as a whole step, so a draft token below
+    # certain acceptance always costs more than it commits.
+    controller = controller_with(lambda n: 10.0 * n)
+    assert controller.choose([Candidate(fixed_tracker(0.9), 8)]) == [0]
+    # Beside 40 plain target steps (one token per position) the same holds; beside a batch committing fewer
+    # tokens per position than a draft token's 0.9, drafting raises the batch's tokens per second.
+    assert controller.choose([Candidate(fixed_tracker(0.9), 8)], other_positions=40, other_tokens=40) == [0]
+    assert controller.choose([Candidate(fixed_tracker(0.9), 8)], other_positions=40, other_tokens=20) != [0]
+
+
+def test_batch_choice_is_the_brute_force_optimum_without_draft_cost() -> None:
+    controller = controller_with(lambda n: 8 + 0.5 * n + 0.02 * n * n)
+    trackers = [fixed_tracker(0.9, 6), fixed_tracker(0.5, 6), fixed_tracker(0.2, 6)]
+    chosen = controller.choose([Candidate(tracker, 6) for tracker in trackers])
+
+    def goodput(lengths) -> float:
+        tokens = sum(t.expected_tokens(g) for t, g in zip(trackers, lengths, strict=True))
+        return tokens / controller.cost.seconds(sum(lengths) + len(lengths), 0)
+
+    best = max(itertools.product(range(7), repeat=3), key=goodput)
+    assert goodput(chosen) == pytest.approx(goodput(best))
+    assert chosen[0] > chosen[1] >= chosen[2]  # the better a request's acceptance, the longer its draft
+
+
+def test_load_from_other_requests_shortens_the_draft() -> None:
+    controller = controller_with(lambda n: 10 + 0.2 * n + 0.01 * n * n)
+    alone = controller.choose([Candidate(fixed_tracker(0.7), 8)])[0]
+    crowded = controller.choose([Candidate(fixed_tracker(0.7), 8)], other_positions=120, other_tokens=150)[0]
+    assert alone > crowded
+
+
+def test_a_tree_is_sent_whole_or_not_at_all() -> None:
+    cheap = controller_with(lambda n: 10 + 0.1 * (n - 1))
+    assert cheap.choose([Candidate(fixed_tracker(0.6), 3, tree_nodes=6)]) == [3]
+    dear = controller_with(lambda n: 10.0 * n)
+    assert dear.choose([Candidate(fixed_tracker(0.6), 3, tree_nodes=6)]) == [0]
+
+
+@pytest.mark.parametrize(("rate", "best"), [(0.85, 7), (0.05, 0)])
+def test_learns_acceptance_and_cost_from_simulated_rounds(rate: float, best: int) -> None:
+    """Rounds on a simulated verifier (10 ms + 1 ms per position, ±10 % noise) with a drafter whose every position
+    is accepted with ``rate``, where E(γ)/T(γ) peaks at ``best``: after a warm-up the controller drafts within one
+    of it, but for the few rounds it spends trying again as old evidence fades."""
+    rng = random.Random(5)
+    controller = SpeculationController(8)
+    tracker = controller.tracker()
+    chosen = []
+    for _ in range(300):
+        [length] = controller.choose([Candidate(tracker, 8)])
+        accepted = next((i for i in range(length) if rng.random() > rate), length)
+        controller.observe_verdict(tracker, length, accepted)
+        positions = 1 + length
+        controller.observe_round(positions, (10 + positions - 1) / 1e3 * rng.uniform(0.9, 1.1), length, 0.0, 0.0)
+        chosen.append(length)
+    settled = chosen[-100:]
+    assert sum(abs(length - best) <= 1 for length in settled) >= 90
