@@ -48,8 +48,23 @@ class TlsConfig:
         for name in given:
             if not Path(getattr(self, name)).is_file():
                 raise InvalidArgumentError(f"tls_{name}", f"no such file: {getattr(self, name)}")
+        if given:
+            self._check_pem()
         if self.server_name and not given:
             raise InvalidArgumentError("tls_server_name", "needs --tls-cert, --tls-key and --tls-ca")
+
+    def _check_pem(self) -> None:
+        """Load the files once with :mod:`ssl`, so that a bad one is a message naming its flag at start-up rather
+        than gRPC's "failed to bind" when the port is added."""
+        try:  # a password callback, so that an encrypted key (which gRPC cannot use) fails instead of prompting
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key, password=str)
+        except ssl.SSLError as error:
+            message = f"{self.cert} with key {self.key} is not a PEM certificate chain and its unencrypted key"
+            raise InvalidArgumentError("tls_cert", f"{message} ({error})") from None
+        try:
+            ssl.create_default_context(cafile=self.ca)
+        except ssl.SSLError as error:
+            raise InvalidArgumentError("tls_ca", f"{self.ca} is not a PEM CA bundle ({error})") from None
 
     @property
     def enabled(self) -> bool:

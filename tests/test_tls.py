@@ -27,6 +27,7 @@ from launcher.cli import deployment_from, register
 from launcher.cluster import TlsDir, health
 from router.config import RouterConfig
 from router.server import RunningRouter, start_router
+from specdec.cli import main as specdec_main
 from specdec.client import Client, TlsFiles, Unavailable
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel
@@ -264,13 +265,20 @@ def test_every_service_takes_the_same_flags_and_env(ours: TlsDir) -> None:
     assert VerifierConfig().tls == PLAINTEXT and not PLAINTEXT.enabled
 
 
-def test_incomplete_tls_flags_name_what_is_missing(ours: TlsDir, tmp_path: Path) -> None:
+def test_incomplete_or_bad_tls_files_are_refused_naming_the_flag(ours: TlsDir, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match=r"^tls_ca: "):
         VerifierConfig.from_args(ours.service_arguments()[:4], environ={})
     with pytest.raises(InvalidArgumentError, match=r"^tls_key: no such file"):
         replace(service_tls(ours), key=str(tmp_path / "absent.pem"))
     with pytest.raises(InvalidArgumentError, match=r"^tls_server_name: "):
         TlsConfig(server_name="w")
+    (tmp_path / "garbage.pem").write_text("not a certificate")
+    with pytest.raises(InvalidArgumentError, match=r"^tls_cert: .* is not a PEM certificate chain"):
+        replace(service_tls(ours), cert=str(tmp_path / "garbage.pem"))
+    with pytest.raises(InvalidArgumentError, match=r"^tls_cert: "):  # a key that is not the certificate's
+        replace(service_tls(ours), key=str(ours.path / ours.CLIENT_KEY))
+    with pytest.raises(InvalidArgumentError, match=r"^tls_ca: .* is not a PEM CA bundle"):
+        replace(service_tls(ours), ca=str(tmp_path / "garbage.pem"))
 
 
 def test_up_tls_dir_is_checked_before_anything_starts(ours: TlsDir, tmp_path: Path) -> None:
@@ -281,3 +289,16 @@ def test_up_tls_dir_is_checked_before_anything_starts(ours: TlsDir, tmp_path: Pa
     (tmp_path / TlsDir.CA).write_text("")
     with pytest.raises(FileNotFoundError, match=r"missing server\.pem, server-key\.pem, client\.pem, client-key\.pem$"):
         deployment_from(parser.parse_args(["up", "--tls-dir", str(tmp_path)]))
+
+
+def test_specdec_generate_takes_the_client_files(
+    tls_router: RunningRouter, ours: TlsDir, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``specdec generate --router``: with the client files the request reaches the router, which refuses a text
+    prompt by name (the tiny target has no tokenizer); with the CA alone the handshake fails."""
+    address, ca = tls_router.grpc_address, str(ours.path / ours.CA)
+    client = ["--tls-cert", str(ours.path / ours.CLIENT_CERT), "--tls-key", str(ours.path / ours.CLIENT_KEY)]
+    assert specdec_main(["generate", "Hi", "--router", address, "--tls-ca", ca, *client]) == 2
+    assert "this router has no tokenizer; send prompt_ids" in capsys.readouterr().err
+    assert specdec_main(["generate", "Hi", "--router", address, "--tls-ca", ca, "--timeout", "5"]) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
