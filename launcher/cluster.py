@@ -166,17 +166,11 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
 def health(address: str, tls_dir: str = "", timeout_s: float = 2.0) -> str:
     """grpc.health.v1 status of ``address`` (over mutual TLS with ``tls_dir``'s client certificate when given):
     SERVING, NOT_SERVING, ... or UNREACHABLE."""
-    import grpc  # here, so that `specdec generate` (which imports this package's CLI) stays gRPC-free
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    # here, so that `specdec generate` (which imports this package's CLI) stays gRPC-free
+    from grpc_common.probe import check_health
+    from grpc_common.tls import PLAINTEXT
 
-    from grpc_common.tls import PLAINTEXT, channel
-
-    with channel(address, TlsDir(Path(tls_dir)).client() if tls_dir else PLAINTEXT) as opened:
-        try:
-            reply = health_pb2_grpc.HealthStub(opened).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return "UNREACHABLE"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return check_health(address, TlsDir(Path(tls_dir)).client() if tls_dir else PLAINTEXT, timeout_s)
 
 
 def state_file() -> Path:

@@ -22,6 +22,7 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.config import DrafterConfig
+from grpc_common.probe import main as probe
 from grpc_common.tls import PLAINTEXT, TlsConfig
 from launcher.cli import deployment_from, register
 from launcher.cluster import TlsDir, health
@@ -238,11 +239,17 @@ def test_server_name_checks_worker_certificates_against_one_name(
         verifier.stop(0)
 
 
-def test_specdec_status_checks_health_over_tls(tls_router: RunningRouter, ours: TlsDir) -> None:
+def test_specdec_status_and_the_probe_check_health_over_tls(
+    tls_router: RunningRouter, ours: TlsDir, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tls_router.config
+    files = ["--tls-cert", str(ours.path / ours.CLIENT_CERT), "--tls-key", str(ours.path / ours.CLIENT_KEY)]
+    files += ["--tls-ca", str(ours.path / ours.CA)]
     for address in (tls_router.grpc_address, *config.verifiers, *config.drafters):
         assert health(address, str(ours.path)) == "SERVING"
         assert health(address) == "UNREACHABLE"  # plaintext
+        assert (probe([address, *files]), capsys.readouterr().out) == (0, "SERVING\n")
+        assert (probe([address, "--timeout-s", "1"]), capsys.readouterr().out) == (1, "UNREACHABLE\n")
 
 
 def test_every_service_takes_the_same_flags_and_env(ours: TlsDir) -> None:
