@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
+from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
 from specdec.drafters import DRAFTER_KINDS, DraftConfig
 from specdec.errors import InvalidArgumentError
 
@@ -29,7 +30,8 @@ class DrafterConfig:
     ``max_batch_size`` caps the Propose calls one drafter call answers; the scheduler waits up to
     ``batch_wait_ms`` after the first for more (0: takes what is queued). ``max_open_sequences`` bounds
     state: beyond it OpenSequence answers RESOURCE_EXHAUSTED. ``metrics_port`` (None: no metrics server; 0: a
-    free port) serves Prometheus series at ``http://host:metrics_port/metrics``.
+    free port) serves Prometheus series at ``http://host:metrics_port/metrics``. ``tls`` (``--tls-cert`` /
+    ``--tls-key`` / ``--tls-ca``, :mod:`grpc_common.tls`) makes the gRPC port mutual TLS.
     """
 
     kind: str
@@ -49,6 +51,7 @@ class DrafterConfig:
     dtype: str = "float32"
     torch_threads: int = 0
     grace_s: float = 5.0
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         if self.kind not in SERVED_KINDS:
@@ -117,4 +120,7 @@ class DrafterConfig:
         option("dtype", str, "model precision", choices=DTYPES)
         option("torch_threads", int, "torch intra-op threads (0: torch's default)")
         option("grace_s", float, "seconds in-flight calls get to finish on SIGTERM")
-        return cls(**vars(parser.parse_args(argv)))
+        add_tls_arguments(parser, ENV_PREFIX, environ)
+        values = vars(parser.parse_args(argv))
+        tls = tls_from_args(values)
+        return cls(**values, tls=tls)

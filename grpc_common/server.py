@@ -2,7 +2,8 @@
 
 Workers use the threaded server (:func:`start_server`): a call waits on a scheduler thread that owns the model.
 The router uses :func:`start_aio_server`, a ``grpc.aio`` server on its event loop: its streams are coroutines, not
-one thread each, so hundreds of concurrent streams cost no thread switches.
+one thread each, so hundreds of concurrent streams cost no thread switches. Both bind their port through
+:func:`bind`: plaintext, or TLS with the service's :class:`~grpc_common.tls.TlsConfig`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from grpc_common.errors import AsyncDomainErrorInterceptor, DomainErrorInterceptor
 from grpc_common.metrics import MetricsServer, start_metrics_server
+from grpc_common.tls import PLAINTEXT, TlsConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_UNACCEPTED_S = 300
@@ -63,6 +65,9 @@ class ServiceConfig(Protocol):
 
     @property
     def metrics_port(self) -> int | None: ...
+
+    @property
+    def tls(self) -> TlsConfig: ...
 
 
 SchedulerT = TypeVar("SchedulerT", bound=Scheduler)
@@ -125,6 +130,7 @@ def start_service(
             port=config.port,
             max_workers=max_workers,
             max_message_bytes=max_message_bytes,
+            tls=config.tls,
         )
     except BaseException:
         scheduler.stop()
@@ -142,8 +148,10 @@ def start_server(
     port: int = 0,
     max_workers: int = 64,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    tls: TlsConfig = PLAINTEXT,
 ) -> RunningServer:
-    """Start a threaded server with ``register``'s servicers, the error interceptor and grpc.health.v1."""
+    """Start a threaded server with ``register``'s servicers, the error interceptor and grpc.health.v1; with ``tls``
+    enabled only clients with a certificate from its CA get through the handshake."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=[DomainErrorInterceptor()],
@@ -155,13 +163,25 @@ def start_server(
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = bind(server, host, port, tls)
     server.start()
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server, health_servicer, host, bound)
+
+
+def bind(
+    server: grpc.Server | grpc.aio.Server, host: str, port: int, tls: TlsConfig, *, require_client_auth: bool = True
+) -> int:
+    """Add ``host:port`` to ``server`` (plaintext, or TLS when ``tls`` is enabled); the bound port."""
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls.enabled:
+        bound = server.add_secure_port(target, tls.server_credentials(require_client_auth=require_client_auth))
+    else:
+        bound = server.add_insecure_port(target)
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return bound
 
 
 @dataclass
@@ -190,9 +210,11 @@ async def start_aio_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    tls: TlsConfig = PLAINTEXT,
+    require_client_auth: bool = True,
 ) -> RunningAioServer:
     """Start a ``grpc.aio`` server on the running loop with ``register``'s servicers, the error interceptor and
-    grpc.health.v1."""
+    grpc.health.v1; TLS with ``tls`` enabled, asking clients for a certificate of its CA if ``require_client_auth``."""
     server = grpc.aio.server(
         interceptors=[AsyncDomainErrorInterceptor()],
         options=[
@@ -211,9 +233,7 @@ async def start_aio_server(
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = bind(server, host, port, tls, require_client_auth=require_client_auth)
     await server.start()
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

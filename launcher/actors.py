@@ -34,7 +34,8 @@ class ServiceActor:
 
             running = start_router(RouterConfig.from_args(argv))
             http = running.http_address
-            self._addresses = {"grpc": running.grpc_address, "http": http, "metrics": f"http://{http}/metrics"}
+            scheme = "https" if running.config.tls.enabled else "http"
+            self._addresses = {"grpc": running.grpc_address, "http": http, "metrics": f"{scheme}://{http}/metrics"}
         else:
             raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
         self._running: Any = running

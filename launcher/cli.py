@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from launcher.cluster import ClusterState, Deployment, health, state_file
+from launcher.cluster import ClusterState, Deployment, TlsDir, health, state_file
 
 UP_TIMEOUT_S = 900
 DOWN_TIMEOUT_S = 120
@@ -45,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
     up.add_argument("--num-verifiers", type=int, help="default 1")
     up.add_argument("--verifier-gpus", type=int, help="GPUs (tensor-parallel ranks) per verifier; default 0")
     up.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
+    up.add_argument(
+        "--tls-dir",
+        type=Path,
+        help="serve mutual TLS everywhere with the PEM files in this folder: ca.pem, server.pem, server-key.pem,"
+        " client.pem, client-key.pem (see launcher.cluster.TlsDir)",
+    )
     for role in ("verifier", "drafter", "router"):
         up.add_argument(f"--{role}-arg", action="append", dest=f"{role}_args", help=f"extra {role} argument")
     status = subparsers.add_parser("status", help="addresses and health of what `up` started")
@@ -61,6 +67,10 @@ def deployment_from(args: argparse.Namespace) -> Deployment:
     if unknown:
         raise ValueError(f"{args.config}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
     values.update({name: getattr(args, name) for name in known if getattr(args, name, None) is not None})
+    if values.get("tls_dir"):  # absolute: the services start in Ray's working directories, not this one
+        tls_dir = TlsDir(Path(values["tls_dir"]).resolve())
+        tls_dir.check()
+        values["tls_dir"] = str(tls_dir.path)
     return Deployment(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
@@ -98,8 +108,8 @@ def status(path: Path) -> dict:
     state = ClusterState.load(path)
     return {
         "ray_address": state.ray_address,
-        "router": {**state.router, "health": health(state.router["grpc"])},
-        "workers": [{**worker, "health": health(worker["address"])} for worker in state.workers],
+        "router": {**state.router, "health": health(state.router["grpc"], state.tls_dir)},
+        "workers": [{**worker, "health": health(worker["address"], state.tls_dir)} for worker in state.workers],
     }
 
 

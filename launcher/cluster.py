@@ -6,7 +6,9 @@ places the verifiers (each in a placement group of ``verifier_gpus`` GPU bundles
 its tensor-parallel ranks), the drafters (asking for the custom ``drafter`` resource on a cluster)
 and the router, then records their addresses (gRPC, and the URL of each one's Prometheus metrics) in
 a state file and waits. ``specdec down`` signals the supervisor, which stops the services and Ray.
-Services bind loopback unless told otherwise.
+Services bind loopback unless told otherwise. With ``tls_dir`` (``specdec up --tls-dir DIR``, layout in
+:class:`TlsDir`) every service gets ``--tls-cert`` / ``--tls-key`` / ``--tls-ca``: all gRPC traffic is mutual TLS and
+the router's HTTP port serves HTTPS; metrics ports of the workers stay plain HTTP.
 """
 
 from __future__ import annotations
@@ -15,11 +17,60 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launcher.actors import ServiceActor
 
+if TYPE_CHECKING:
+    from grpc_common.tls import TlsConfig
+
 NAMESPACE = "specdec"
 DEFAULT_STATE_FILE = Path.home() / ".specdec" / "cluster.json"
+
+
+@dataclass(frozen=True)
+class TlsDir:
+    """The PEM files ``specdec up --tls-dir DIR`` reads, all in ``DIR``:
+
+    - ``ca.pem``: the CA bundle every certificate below chains to; each service admits only peers with one of its
+      certificates;
+    - ``server.pem`` / ``server-key.pem``: the certificate (chain) and key every service presents, as a server and
+      as the router dialling workers, so it needs no extended key usage or both server and client auth; its names
+      must cover the addresses services bind (127.0.0.1 on one machine, node IPs on a cluster) unless the router is
+      told the one name to check (``--router-arg=--tls-server-name=NAME``);
+    - ``client.pem`` / ``client-key.pem``: a client certificate for ``specdec status`` (and for SDK users to copy):
+      the router's public ports ask for one too, unless ``--router-arg=--no-tls-public-client-auth``.
+
+    On a cluster ``DIR`` must hold the same files at the same path on every node.
+    """
+
+    path: Path
+
+    CA = "ca.pem"
+    CERT = "server.pem"
+    KEY = "server-key.pem"
+    CLIENT_CERT = "client.pem"
+    CLIENT_KEY = "client-key.pem"
+
+    def check(self) -> None:
+        """Raise FileNotFoundError naming every file of the layout that is missing."""
+        names = (self.CA, self.CERT, self.KEY, self.CLIENT_CERT, self.CLIENT_KEY)
+        missing = [name for name in names if not (self.path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"--tls-dir {self.path}: missing {', '.join(missing)}")
+
+    def service_arguments(self) -> list[str]:
+        """The TLS flags of every service."""
+        flags = {"--tls-cert": self.CERT, "--tls-key": self.KEY, "--tls-ca": self.CA}
+        return [item for flag, name in flags.items() for item in (flag, str(self.path / name))]
+
+    def client(self) -> TlsConfig:
+        """What ``specdec status`` dials the services with."""
+        from grpc_common.tls import TlsConfig  # lazily: `specdec generate` imports this package without gRPC
+
+        return TlsConfig(
+            cert=str(self.path / self.CLIENT_CERT), key=str(self.path / self.CLIENT_KEY), ca=str(self.path / self.CA)
+        )
 
 
 @dataclass(frozen=True)
@@ -36,6 +87,7 @@ class Deployment:
     verifier_args: tuple[str, ...] = ()
     drafter_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    tls_dir: str | None = None  # absolute; see TlsDir
 
 
 @dataclass
@@ -48,6 +100,7 @@ class ClusterState:
     error: str = ""
     router: dict[str, str] = field(default_factory=dict)
     workers: list[dict[str, str]] = field(default_factory=list)
+    tls_dir: str = ""  # the deployment's TlsDir ("": plaintext), so that `status` can dial it
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,6 +123,9 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
 
     remote = ray.remote(ServiceActor)
     actors = []
+    # before the per-role extra arguments, so that those still win
+    tls = TlsDir(Path(deployment.tls_dir)).service_arguments() if deployment.tls_dir else []
+    state.tls_dir = deployment.tls_dir or ""
 
     def spawn(role: str, argv: list[str], **options: object) -> object:
         actor = remote.options(num_cpus=0, **options).remote(role, argv)
@@ -83,12 +139,13 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
             group = placement_group([{"GPU": 1}] * deployment.verifier_gpus, strategy="STRICT_PACK")
             ray.get(group.ready(), timeout=timeout_s)
             options = {"num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
-        argv = ["--model", deployment.target, "--metrics-port", "0", *deployment.verifier_args]
+        argv = ["--model", deployment.target, "--metrics-port", "0", *tls, *deployment.verifier_args]
         verifiers.append(spawn("verifier", argv, **options))
     drafters = []
     for kind in deployment.drafter_kinds:
         for _ in range(deployment.num_drafters):
-            argv = ["--kind", kind, "--target", deployment.target, "--metrics-port", "0", *deployment.drafter_args]
+            argv = ["--kind", kind, "--target", deployment.target, "--metrics-port", "0", *tls]
+            argv += deployment.drafter_args
             if kind == "model":
                 argv += ["--draft-model", deployment.draft_model or deployment.target]
             if kind == "eagle" and deployment.eagle_head:
@@ -97,7 +154,7 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
     addresses = ray.get([actor.addresses.remote() for actor in verifiers + drafters], timeout=timeout_s)
     roles = ["verifier"] * len(verifiers) + ["drafter"] * len(drafters)
     # Free ports unless the deployment's router arguments say otherwise (later flags win).
-    router_argv = ["--model", deployment.target, "--grpc-port", "0", "--http-port", "0", *deployment.router_args]
+    router_argv = ["--model", deployment.target, "--grpc-port", "0", "--http-port", "0", *tls, *deployment.router_args]
     for role, address in zip(roles, addresses, strict=True):
         router_argv += [f"--{role}", address["grpc"]]
         state.workers.append({"role": role, "address": address["grpc"], "metrics": address.get("metrics", "")})
@@ -106,17 +163,14 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
     return actors
 
 
-def health(address: str, timeout_s: float = 2.0) -> str:
-    """grpc.health.v1 status of ``address``: SERVING, NOT_SERVING, ... or UNREACHABLE."""
-    import grpc  # here, so that `specdec generate` (which imports this package's CLI) stays gRPC-free
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def health(address: str, tls_dir: str = "", timeout_s: float = 2.0) -> str:
+    """grpc.health.v1 status of ``address`` (over mutual TLS with ``tls_dir``'s client certificate when given):
+    SERVING, NOT_SERVING, ... or UNREACHABLE."""
+    # here, so that `specdec generate` (which imports this package's CLI) stays gRPC-free
+    from grpc_common.probe import check_health
+    from grpc_common.tls import PLAINTEXT
 
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return "UNREACHABLE"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return check_health(address, TlsDir(Path(tls_dir)).client() if tls_dir else PLAINTEXT, timeout_s)
 
 
 def state_file() -> Path:

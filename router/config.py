@@ -3,7 +3,8 @@
 Every option has an environment variable ``SPECDEC_ROUTER_<NAME>`` (lists comma-separated) used when the flag
 is absent, so a Kubernetes manifest can configure the router without templating its arguments. The bearer token
 is read from ``SPECDEC_ROUTER_BEARER_TOKEN`` (or ``--bearer-token-file``), never from a flag, so it does not
-show up in process listings.
+show up in process listings. TLS (``--tls-cert``, ``--tls-key``, ``--tls-ca``, ``--tls-server-name``) is defined once
+for every service in :mod:`grpc_common.tls`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
 from specdec.drafters import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
 
@@ -31,7 +33,10 @@ class RouterConfig:
     every call to a worker: a drafter past ``drafter_deadline_s`` is abandoned for the request (target-only from
     then on), a verifier past ``verifier_deadline_s`` fails the request with UNAVAILABLE or re-places it.
     At most ``max_concurrent_requests`` run at once and ``max_waiting_requests`` more wait for a slot in arrival
-    order; beyond both a request is refused (RESOURCE_EXHAUSTED / HTTP 429).
+    order; beyond both a request is refused (RESOURCE_EXHAUSTED / HTTP 429). With ``tls`` enabled the channels to
+    workers are mutual TLS and the public gRPC and HTTP ports serve TLS with the same certificate; they also require
+    a client certificate from the CA unless ``tls_public_client_auth`` is off (then clients need only trust the
+    CA, and the bearer token is what authenticates them).
     """
 
     model: str
@@ -57,6 +62,8 @@ class RouterConfig:
     eos_token_ids: tuple[int, ...] = ()
     bearer_token: str | None = None
     shutdown_grace_s: float = 5.0
+    tls: TlsConfig = PLAINTEXT
+    tls_public_client_auth: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -135,6 +142,8 @@ class RouterConfig:
             eos_token_ids=tuple(int(token) for token in listed["eos_token_id"]),
             bearer_token=token,
             shutdown_grace_s=args.shutdown_grace_s,
+            tls=tls_from_args(dict(vars(args))),
+            tls_public_client_auth=args.tls_public_client_auth,
         )
 
 
@@ -213,6 +222,14 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--bearer-token-file", help="file holding the token the public API requires")
     parser.add_argument("--shutdown-grace-s", type=float, default=env("shutdown_grace_s"))
+    add_tls_arguments(parser, ENV_PREFIX, environ, dials=True)
+    parser.add_argument(
+        "--tls-public-client-auth",
+        action=argparse.BooleanOptionalAction,
+        default=_bool(env("tls_public_client_auth")),
+        help="with TLS, the public gRPC and HTTP ports also require a client certificate from --tls-ca (default: on;"
+        f" env {ENV_PREFIX}TLS_PUBLIC_CLIENT_AUTH)",
+    )
     return parser
 
 

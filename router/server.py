@@ -2,7 +2,8 @@
 
 ``start_router(config)`` returns a :class:`RunningRouter` once both servers accept requests; tests use it
 in-process. Everything runs on one asyncio loop in a background thread: worker calls (``grpc.aio`` clients), the
-public gRPC server (``grpc.aio``, with ``grpc.health.v1``) and aiohttp's HTTP server. No thread per stream: one
+public gRPC server (``grpc.aio``, with ``grpc.health.v1``) and aiohttp's HTTP server; with TLS configured, the
+worker channels are mutual TLS and both public servers serve TLS (:mod:`grpc_common.tls`). No thread per stream: one
 loop holds a thousand concurrent streams.
 """
 
@@ -105,6 +106,8 @@ def start_router(
                 [SERVICE_NAME],
                 host=config.host,
                 port=config.grpc_port,
+                tls=config.tls,
+                require_client_auth=config.tls_public_client_auth,
             )
         )
     except BaseException:
@@ -120,7 +123,9 @@ async def _start_http(frontend: Frontend) -> tuple[web.AppRunner, str]:
         build_app(frontend), handler_cancellation=True, shutdown_timeout=config.shutdown_grace_s, access_log=None
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.http_port)
+    tls = config.tls
+    context = tls.http_context(require_client_auth=config.tls_public_client_auth) if tls.enabled else None
+    site = web.TCPSite(runner, config.host, config.http_port, ssl_context=context)
     await site.start()
     host, port = runner.addresses[0][:2]
     return runner, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

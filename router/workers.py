@@ -23,6 +23,7 @@ from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_
 
 from grpc_common.convert import sampling_to_wire, tree_from_wire
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
+from grpc_common.tls import aio_channel
 from router.batching import CallBatcher
 from router.config import RouterConfig
 from router.errors import WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
@@ -256,7 +257,8 @@ class WorkerPool:
 
     @classmethod
     async def start(cls, config: RouterConfig) -> WorkerPool:
-        """Open a channel per worker, check every worker once, then keep checking in the background."""
+        """Open a channel per worker (mutual TLS with ``config.tls``: calls and health checks alike), check every
+        worker once, then keep checking in the background."""
         options = [
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             # a restarted worker is dialled again within a couple of seconds, not gRPC's default two minutes
@@ -265,7 +267,7 @@ class WorkerPool:
         ]
 
         def worker(role: str, address: str, deadline_s: float) -> Worker:
-            return Worker(role, address, grpc.aio.insecure_channel(address, options=options), deadline_s)
+            return Worker(role, address, aio_channel(address, config.tls, options), deadline_s)
 
         pool = cls(
             config,

@@ -63,7 +63,10 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     remote.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
     remote.add_argument("--timeout", type=float, default=120.0, help="deadline of the request, in seconds")
-    remote.add_argument("--tls", action="store_true", help="connect with TLS (system roots)")
+    remote.add_argument("--tls", action="store_true", help="connect with TLS (system roots unless --tls-ca)")
+    remote.add_argument("--tls-ca", help="PEM CA bundle the router's certificate must chain to (implies --tls)")
+    remote.add_argument("--tls-cert", help="PEM client certificate, for a router that requires one (with --tls-key)")
+    remote.add_argument("--tls-key", help="PEM private key of --tls-cert")
 
 
 def encode_prompt(target: LoadedModel, prompt: str, chat: bool) -> list[int]:
@@ -150,7 +153,7 @@ def _run_on_router(args: argparse.Namespace) -> int:
 
     The bearer token, if the router requires one, comes from the ``SPECDEC_BEARER_TOKEN`` environment variable.
     """
-    from specdec.client import Client, ClientError, GenerateOptions, InvalidArgument, Unauthenticated
+    from specdec.client import Client, ClientError, GenerateOptions, InvalidArgument, TlsFiles, Unauthenticated
 
     options: GenerateOptions = {
         "chat": args.chat,
@@ -172,8 +175,13 @@ def _run_on_router(args: argparse.Namespace) -> int:
     }
     options.update({key: value for key, value in optional.items() if value is not None})  # type: ignore[typeddict-item]
     token = os.environ.get("SPECDEC_BEARER_TOKEN") or None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise InvalidArgumentError("tls_cert" if args.tls_cert is None else "tls_key", "--tls-cert needs --tls-key")
+    tls: bool | TlsFiles = args.tls
+    if args.tls_ca or args.tls_cert:
+        tls = TlsFiles(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
     try:
-        with Client(args.router, timeout_s=args.timeout, tls=args.tls, bearer_token=token) as client:
+        with Client(args.router, timeout_s=args.timeout, tls=tls, bearer_token=token) as client:
             remote = client.generate(args.prompt, **options)
     except (InvalidArgument, Unauthenticated) as error:
         raise InvalidArgumentError("request", error.details) from None

@@ -6,6 +6,10 @@
 ...     for chunk in client.stream(prompt_ids=[1, 2, 3], max_tokens=16):
 ...         print(chunk.token_ids, chunk.text)
 
+Against a router serving TLS, pass ``tls=TlsFiles(ca="ca.pem", cert="client.pem", key="client-key.pem")``: the
+router's certificate must chain to ``ca`` and, when the router requires client certificates (mutual TLS, its
+default with TLS on), ``cert``/``key`` are the client's.
+
 Every call carries a deadline (``timeout_s``, per client or per call). Failures raise a :class:`ClientError`
 subclass chosen by status code: :class:`InvalidArgument` (the message names the field), :class:`Overloaded`
 (with ``retry_after_s`` from the server's pushback), :class:`Unavailable`, :class:`DeadlineExceeded`,
@@ -17,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, TypedDict, Unpack
 
 import grpc
@@ -266,10 +271,48 @@ class _Accumulator:
         )
 
 
-def _credentials(tls: bool | grpc.ChannelCredentials) -> grpc.ChannelCredentials | None:
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a TLS connection to a server (the router, or a worker the router dials).
+
+    ``ca``: the roots the server's certificate must chain to (None: the system's). ``cert`` and ``key``: the client
+    certificate presented to a server that asks for one (mutual TLS); both or neither. ``server_name``: the name
+    the server's certificate is checked against (None: the host dialled), for servers whose addresses are not in
+    their certificates (pods behind changing IPs sharing one certificate).
+    """
+
+    ca: str | Path | None = None
+    cert: str | Path | None = None
+    key: str | Path | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs both cert and key")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials from the files, read now."""
+
+        def read(path: str | Path | None) -> bytes | None:
+            return Path(path).read_bytes() if path is not None else None
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        """Channel options that make the handshake check ``server_name`` instead of the dialled host."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def _credentials(tls: bool | grpc.ChannelCredentials | TlsFiles) -> grpc.ChannelCredentials | None:
     if isinstance(tls, grpc.ChannelCredentials):
         return tls
+    if isinstance(tls, TlsFiles):
+        return tls.credentials()
     return grpc.ssl_channel_credentials() if tls else None
+
+
+def _tls_options(tls: bool | grpc.ChannelCredentials | TlsFiles) -> list[tuple[str, str]]:
+    return tls.channel_options() if isinstance(tls, TlsFiles) else []
 
 
 def _metadata(bearer_token: str | None) -> tuple[tuple[str, str], ...]:
@@ -280,7 +323,8 @@ def _metadata(bearer_token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class Client:
-    """Synchronous client. ``tls``: False (plaintext), True (system roots) or explicit channel credentials.
+    """Synchronous client. ``tls``: False (plaintext), True (system roots), :class:`TlsFiles` (a CA, a client
+    certificate) or explicit channel credentials.
 
     Use as a context manager or call :meth:`close`.
     """
@@ -290,11 +334,15 @@ class Client:
         address: str,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        tls: bool | grpc.ChannelCredentials = False,
+        tls: bool | grpc.ChannelCredentials | TlsFiles = False,
         bearer_token: str | None = None,
     ) -> None:
         credentials = _credentials(tls)
-        self._channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+        self._channel = (
+            grpc.secure_channel(address, credentials, _tls_options(tls))
+            if credentials
+            else grpc.insecure_channel(address)
+        )
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self.timeout_s = timeout_s
         self._metadata = _metadata(bearer_token)
@@ -346,19 +394,19 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio client (``grpc.aio``); create it inside the event loop that uses it."""
+    """The asyncio client (``grpc.aio``); create it inside the event loop that uses it. ``tls`` as :class:`Client`'s."""
 
     def __init__(
         self,
         address: str,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        tls: bool | grpc.ChannelCredentials = False,
+        tls: bool | grpc.ChannelCredentials | TlsFiles = False,
         bearer_token: str | None = None,
         channel_options: Sequence[tuple[str, str | int]] = (),
     ) -> None:
         credentials = _credentials(tls)
-        options = list(channel_options)
+        options = [*channel_options, *_tls_options(tls)]
         self._channel = (
             grpc.aio.secure_channel(address, credentials, options)
             if credentials

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -48,10 +49,20 @@ def expected_ids(sentence_ids: list[int], prompt_ids: Sequence[int], max_tokens:
 
 
 def request(
-    address: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    address: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP request (HTTPS with the client context ``tls``): status, headers and body."""
     host, port = address.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection = (
+        http.client.HTTPSConnection(host, int(port), timeout=30, context=tls)
+        if tls is not None
+        else http.client.HTTPConnection(host, int(port), timeout=30)
+    )
     try:
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})

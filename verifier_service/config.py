@@ -10,6 +10,7 @@ from typing import Any
 
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
+from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
 from specdec.errors import InvalidArgumentError
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -41,6 +42,7 @@ class VerifierConfig:
     far longer than the gap between two rounds of a busy sequence, so trims only run in lulls.
     ``malloc_mmap_threshold_mb`` (0: glibc's own, which rises with the largest block freed) fixes the size from
     which the process's allocations are mmapped, so that large blocks never pin heap pages (same module).
+    ``tls`` (``--tls-cert`` / ``--tls-key`` / ``--tls-ca``, :mod:`grpc_common.tls`) makes the gRPC port mutual TLS.
     """
 
     model: str = "smollm2-135m"
@@ -62,6 +64,7 @@ class VerifierConfig:
     malloc_mmap_threshold_mb: int = 16
     world_size: int = 1
     rank: int = 0
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -128,4 +131,7 @@ class VerifierConfig:
         option("malloc_mmap_threshold_mb", int, "allocations from this size are mmapped (0: glibc's dynamic default)")
         option("world_size", int, "tensor-parallel ranks", env_name="WORLD_SIZE")
         option("rank", int, "this process's rank (0 serves gRPC)", env_name="RANK")
-        return cls(**vars(parser.parse_args(argv)))
+        add_tls_arguments(parser, ENV_PREFIX, environ)
+        values = vars(parser.parse_args(argv))
+        tls = tls_from_args(values)
+        return cls(**values, tls=tls)
