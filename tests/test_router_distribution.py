@@ -22,9 +22,11 @@ from drafter_service.server import start_drafter
 from grpc_common.tls import PLAINTEXT, TlsConfig
 from router.config import RouterConfig
 from router.server import RunningRouter, start_router
+from specdec.adaptive import SpeculationController
 from specdec.client import Client
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
+from tests.controllers import CyclingController
 from tests.test_end_to_end_distribution import LENGTH, PROMPT, VOCAB, _outcome, assert_same_law, exact_law
 from tests.tiny_models import tiny_draft, tiny_llama
 from verifier_service.config import VerifierConfig
@@ -41,10 +43,15 @@ def target():
 
 @contextlib.contextmanager
 def served_router(
-    target: LoadedModel, drafter_config: DrafterConfig, tls: TlsConfig = PLAINTEXT, **drafter_models: object
+    target: LoadedModel,
+    drafter_config: DrafterConfig,
+    tls: TlsConfig = PLAINTEXT,
+    controller: SpeculationController | None = None,
+    **drafter_models: object,
 ) -> Iterator[RunningRouter]:
     """A verifier service, one drafter service (``drafter_models``: its ``start_drafter`` models) and a router on
-    loopback, all three with ``tls``; yields the router and stops all three."""
+    loopback, all three with ``tls``; ``controller`` chooses the router's auto draft lengths; yields the router and
+    stops all three."""
     verifier = start_verifier(VerifierConfig(tls=tls), model=target)
     drafter = start_drafter(replace(drafter_config, tls=tls), target=target, **drafter_models)
     router = start_router(
@@ -57,7 +64,8 @@ def served_router(
             eos_token_ids=tuple(target.eos_token_ids),
             max_concurrent_requests=32,
             tls=tls,
-        )
+        ),
+        controller=controller,
     )
     try:
         yield router
@@ -101,4 +109,18 @@ def sample_law(address: str, speculation: str, tree_width: int, seed: int) -> Co
 )
 def test_grpc_path_follows_the_target_law(router_address: str, target, speculation: str, tree_width: int) -> None:
     counts = sample_law(router_address, speculation, tree_width, seed=70_000 + 10_000 * tree_width)
+    assert_same_law(counts, exact_law(target, PARAMS, stop_at_eos=False))
+
+
+@pytest.mark.slow
+def test_auto_with_draft_lengths_changing_every_round_follows_the_target_law(target) -> None:
+    """``auto`` whose controller cycles γ through 0, 3, 1, 4, 2 (capped at the request's 3): target-only rounds and
+    chains of every length, one after the other in each request, and still the target's law."""
+    draft = tiny_draft(target, seed=12, num_layers=1, noise=0.3)
+    config = DrafterConfig(kind="model", draft_model=draft.name)
+    with served_router(target, config, controller=CyclingController(), draft=draft) as router:
+        counts = sample_law(router.grpc_address, "auto", 1, seed=95_000)
+        with Client(router.grpc_address, timeout_s=60) as client:
+            stats = client.generate(prompt_ids=PROMPT, max_tokens=12, speculation="auto", seed=1, ignore_eos=True).stats
+    assert stats.rounds_per_draft_size[0] > 0 and sum(count > 0 for count in stats.rounds_per_draft_size) >= 3
     assert_same_law(counts, exact_law(target, PARAMS, stop_at_eos=False))

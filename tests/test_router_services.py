@@ -153,7 +153,14 @@ def test_speculation_is_used(services: Services) -> None:
     with services.client() as client:
         for drafter in ("ngram", "model"):
             results = [
-                client.generate(prompt_ids=p, max_tokens=40, temperature=0.0, ignore_eos=True, drafter=drafter)
+                client.generate(
+                    prompt_ids=p,
+                    max_tokens=40,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    drafter=drafter,
+                    speculation="pipelined",
+                )
                 for p in PROMPTS
             ]
             accepted[drafter] = sum(result.stats.accepted_tokens for result in results)
@@ -180,8 +187,11 @@ def test_over_the_context_is_invalid_argument(services: Services, target) -> Non
 
 
 def test_seeded_sampling_is_reproducible(services: Services) -> None:
+    """With a fixed draft length (under auto the lengths follow measured timings: same law, other tokens)."""
+
     def sample(client: Client, seed: int) -> list[int]:
         options = {"max_tokens": 30, "temperature": 1.0, "ignore_eos": True, "drafter": "model"}
+        options["speculation"] = "sequential"
         return client.generate(prompt_ids=PROMPTS[0], seed=seed, **options).token_ids
 
     with services.client() as client:

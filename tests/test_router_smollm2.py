@@ -22,6 +22,7 @@ from specdec.engine import Engine, GenerationRequest
 from specdec.models import LoadedModel
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
+from tests.controllers import CyclingController
 from tests.eagle_heads import memorised_head
 from tests.test_router_http import events, request
 from tests.tiny_models import SMOLLM2, smollm2
@@ -52,7 +53,8 @@ class Stack:
             http_port=0,
             shutdown_grace_s=0.5,
         )
-        self.router = start_router(config, tokenizer=target.tokenizer)
+        # auto requests (the HTTP cases: the server default) change γ every round, 0 included
+        self.router = start_router(config, tokenizer=target.tokenizer, controller=CyclingController())
 
     def stop(self) -> None:
         self.router.stop(0.5)
@@ -93,8 +95,9 @@ def expected(target: LoadedModel) -> dict[str, list[int]]:
         ("eagle", "sequential", 4, 1),
         ("eagle", "pipelined", 4, 1),
         ("eagle", "sequential", 3, 2),
+        ("eagle", "auto", 4, 1),
     ],
-    ids=["ngram-pipelined", "early-exit", "eagle-chain", "eagle-chain-pipelined", "eagle-tree"],
+    ids=["ngram-pipelined", "early-exit", "eagle-chain", "eagle-chain-pipelined", "eagle-tree", "eagle-auto"],
 )
 def test_grpc_chat_equals_colocated(
     stack: Stack, target, expected, drafter: str, speculation: str, gamma: int, width: int

@@ -41,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
     """Add ``bench`` and return its run function (a :data:`specdec.cli.Register`); the ``--sim-*`` options come
     from :mod:`bench.load.simulate`."""
     from bench.load.simulate import add_simulation_arguments
+    from bench.load.workload import MODES
 
     parser = subparsers.add_parser("bench", help="load-test the router (open or closed loop, sweeps, reports)")
     target = parser.add_argument_group("router (default: the one `specdec up` started)")
@@ -71,8 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
     work.add_argument("--top-p", type=float)
     work.add_argument("--top-k", type=int)
     work.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    work.add_argument("--speculation", choices=("off", "sequential", "pipelined"), help="default: the router's")
-    work.add_argument("--sweep-speculation", type=_names, help="repeat every point per mode, e.g. off,pipelined")
+    work.add_argument("--speculation", choices=MODES, help="default: the router's")
+    work.add_argument("--sweep-speculation", type=_names, help="repeat every point per mode, e.g. off,sequential,auto")
     work.add_argument("--drafter", help="drafter kind (default: the router's)")
     work.add_argument("--num-draft-tokens", type=int)
     work.add_argument("--tree-width", type=int)
@@ -91,11 +92,13 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
 
 
 def _check(args: argparse.Namespace) -> None:
+    from bench.load.workload import MODES
+
     if args.qps is not None and args.concurrency is not None:
         raise ValueError("give --qps (open loop) or --concurrency (closed loop), not both")
     for mode in args.sweep_speculation or ():
-        if mode not in ("off", "sequential", "pipelined"):
-            raise ValueError(f"--sweep-speculation: {mode!r} is not off, sequential or pipelined")
+        if mode not in MODES:
+            raise ValueError(f"--sweep-speculation: {mode!r} is not one of {', '.join(MODES)}")
     if args.sweep_speculation and args.speculation:
         raise ValueError("give --speculation or --sweep-speculation, not both")
 

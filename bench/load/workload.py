@@ -17,7 +17,8 @@ from typing import Literal
 
 import numpy as np
 
-SpeculationMode = Literal["off", "sequential", "pipelined"]
+SpeculationMode = Literal["off", "sequential", "pipelined", "auto"]
+MODES: tuple[str, ...] = ("off", "sequential", "pipelined", "auto")
 
 
 @dataclass(frozen=True)
