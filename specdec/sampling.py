@@ -3,7 +3,8 @@
 One function, :func:`logits_to_probs`, is used identically for the target (its ``p``) and the
 drafter (its ``q``), so the acceptance rule always compares the distributions that were really
 used. Order of transforms: temperature, top-k, top-p, min-p, each followed by renormalisation.
-Temperature 0 is greedy: the one-hot of the argmax (lowest id on ties).
+Temperature 0 is greedy: the one-hot of the argmax (lowest id on ties). :func:`top_logprobs` reads the most
+probable alternatives off a row of log-probabilities (what a request's ``top_logprobs`` returns).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.errors import InvalidArgumentError
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's default max_logprobs)
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,25 @@ def sample_with_uniform(probs: torch.Tensor, uniform: float) -> int:
     while probs[index] <= 0:  # float rounding at the top end of the cdf can land on a zero tail
         index -= 1
     return index
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most probable tokens of one distribution row and their log-probabilities, most probable first."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+def top_logprobs(logprobs: torch.Tensor, count: int) -> TopLogprobs:
+    """The ``count`` most probable tokens of ``logprobs`` [V] (log-probabilities), most probable first, lower id first
+    on ties; tokens of probability 0 (``-inf``) are left out, so fewer than ``count`` come back when ``p`` has
+    smaller support.
+
+    >>> top_logprobs(torch.tensor([-1.0, -float("inf"), -0.5, -1.0]), 3)
+    TopLogprobs(token_ids=(2, 0, 3), logprobs=(-0.5, -1.0, -1.0))
+    """
+    values, ids = torch.sort(logprobs.float().cpu(), descending=True, stable=True)
+    values, ids = values[:count], ids[:count]
+    kept = torch.isfinite(values)
+    return TopLogprobs(tuple(ids[kept].tolist()), tuple(values[kept].tolist()))

@@ -60,8 +60,8 @@ def save_tiny_head(target: LoadedModel, directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def router_address(target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     head = save_tiny_head(target, tmp_path_factory.mktemp("eagle-head"))
-    with served_router(target, DrafterConfig(kind="eagle", target="tiny", draft_model=str(head))) as address:
-        yield address
+    with served_router(target, DrafterConfig(kind="eagle", target="tiny", draft_model=str(head))) as router:
+        yield router.grpc_address
 
 
 def test_the_eagle_drafter_service_reports_its_feature_width(target: LoadedModel, tmp_path: Path) -> None:

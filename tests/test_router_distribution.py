@@ -19,7 +19,7 @@ import pytest
 from drafter_service.config import DrafterConfig
 from drafter_service.server import start_drafter
 from router.config import RouterConfig
-from router.server import start_router
+from router.server import RunningRouter, start_router
 from specdec.client import Client
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
@@ -38,9 +38,11 @@ def target():
 
 
 @contextlib.contextmanager
-def served_router(target: LoadedModel, drafter_config: DrafterConfig, **drafter_models: object) -> Iterator[str]:
+def served_router(
+    target: LoadedModel, drafter_config: DrafterConfig, *, max_model_len: int = 0, **drafter_models: object
+) -> Iterator[RunningRouter]:
     """A verifier service, one drafter service (``drafter_models``: its ``start_drafter`` models) and a router on
-    loopback; yields the router's gRPC address and stops all three."""
+    loopback (``max_model_len``: its context limit, 0 for the verifier's); yields the router and stops all three."""
     verifier = start_verifier(VerifierConfig(), model=target)
     drafter = start_drafter(drafter_config, target=target, **drafter_models)
     router = start_router(
@@ -52,10 +54,11 @@ def served_router(target: LoadedModel, drafter_config: DrafterConfig, **drafter_
             http_port=0,
             eos_token_ids=tuple(target.eos_token_ids),
             max_concurrent_requests=32,
+            max_model_len=max_model_len,
         )
     )
     try:
-        yield router.grpc_address
+        yield router
     finally:
         router.stop(0.5)
         drafter.stop(0)
@@ -65,8 +68,8 @@ def served_router(target: LoadedModel, drafter_config: DrafterConfig, **drafter_
 @pytest.fixture(scope="module")
 def router_address(target) -> Iterator[str]:
     draft = tiny_draft(target, seed=12, num_layers=1, noise=0.3)
-    with served_router(target, DrafterConfig(kind="model", draft_model=draft.name), draft=draft) as address:
-        yield address
+    with served_router(target, DrafterConfig(kind="model", draft_model=draft.name), draft=draft) as router:
+        yield router.grpc_address
 
 
 def sample_law(address: str, speculation: str, tree_width: int, seed: int) -> Counter:

@@ -346,7 +346,7 @@ BAD = {
     "temperature": ({"prompt_ids": [1], "max_tokens": 4, "temperature": -1.0}, "temperature"),
     "top_p 0": ({"prompt_ids": [1], "max_tokens": 4, "top_p": 0.0}, "top_p"),
     "top_p 1.5": ({"prompt_ids": [1], "max_tokens": 4, "top_p": 1.5}, "top_p"),
-    "top_k": ({"prompt_ids": [1], "max_tokens": 4, "top_k": -1}, "top_k"),
+    "top_k": ({"prompt_ids": [1], "max_tokens": 4, "top_k": -2}, "top_k"),
     "model": ({"prompt_ids": [1], "max_tokens": 4, "model": "gpt-9"}, "model"),
     "drafter kind": ({"prompt_ids": [1], "max_tokens": 4, "drafter": "magic"}, "drafter"),
     "drafter not served": ({"prompt_ids": [1], "max_tokens": 4, "drafter": "model"}, "drafter"),
