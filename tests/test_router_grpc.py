@@ -82,6 +82,7 @@ class FakeVerifierServicer(verifier_pb2_grpc.VerifierServicer):
             finished=verified.finished,
             bonus_deferred=verified.bonus_deferred,
             logprobs=[-0.5] * len(verified.emitted),
+            top_logprobs=[common_pb2.TopLogprobs(token_ids=[token], logprobs=[-0.5]) for token in verified.emitted],
         )
         return verifier_pb2.VerifyReply(verdict=verdict, verify_ns=verified.verify_ns, state_ns=verified.state_ns)
 
