@@ -1,6 +1,7 @@
 """``logprobs`` / ``top_logprobs``: the emitted token's log-probability and the most probable alternatives of its row
-are exactly those of the target's processed ``p`` (the row the acceptance rule read), in the verifier and through
-the whole served stack (gRPC SDK and OpenAI HTTP), speculation on or off, pipelined (deferred bonus rows) or not.
+are exactly those of the target's processed ``p`` (the row the acceptance rule read), in the verifier, the co-located
+engine and through the whole served stack (gRPC SDK and OpenAI HTTP), speculation on or off, pipelined (deferred
+bonus rows) or not. Also here, on the same real stack: HTTP ``n > 1`` runs independent choices seeded ``seed + i``.
 
 Reference: the tiny target run from scratch on the committed text, through :func:`~specdec.sampling.logits_to_probs`
 (sampled) or a plain log-softmax of the logits (greedy, where the processed ``p`` is one-hot). Token ids must
@@ -21,7 +22,9 @@ import torch
 from drafter_service.config import DrafterConfig
 from router.server import RunningRouter
 from specdec.client import Client
+from specdec.drafters import DraftConfig, build_drafter
 from specdec.drafters.base import Proposal
+from specdec.engine import Engine, GenerationRequest
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel
 from specdec.runner import KVRunner
@@ -124,6 +127,18 @@ def test_the_verifier_refuses_bad_top_logprobs(target: LoadedModel, top_logprobs
     assert raised.value.field == "top_logprobs" and verifier.num_open == 0
 
 
+@pytest.mark.parametrize("params", [FILTERED, GREEDY], ids=["sampled", "greedy"])
+def test_the_co_located_engine_returns_them_too(target: LoadedModel, params: SamplingParams) -> None:
+    draft = tiny_draft(target, seed=32, num_layers=1, noise=0.3)
+    drafter = build_drafter("model", target, DraftConfig(num_draft_tokens=3), draft_model=draft)
+    engine = Engine(KVRunner(target.model, max_seq_len=64), target.eos_token_ids, drafter)
+    request = GenerationRequest(PROMPT, params, 20, seed=9, ignore_eos=True, logprobs=True, top_logprobs=3)
+    [result] = engine.generate([request])
+    assert result.stats.accepted_tokens > 0
+    alternatives = [list(zip(top.token_ids, top.logprobs, strict=True)) for top in result.top_logprobs]
+    assert_matches_target(target, PROMPT, result.token_ids, result.logprobs, alternatives, params, 3)
+
+
 # --- the served stack --------------------------------------------------------------------------------------------
 
 
@@ -196,3 +211,16 @@ def test_http_completions_carry_the_target_rows(router: RunningRouter, target: L
         best = sorted((t for t in range(VOCAB) if log_p[t] > -float("inf")), key=lambda t: (-float(log_p[t]), t))[:3]
         assert set(top) == {str(t) for t in [token, *best]}
         assert all(logprob == pytest.approx(float(log_p[int(t)]), abs=TOLERANCE) for t, logprob in top.items())
+
+
+def test_n_choices_are_the_requests_seeded_seed_plus_i(router: RunningRouter) -> None:
+    """Choice i of a seeded ``n = 4`` request is exactly the ``n = 1`` request with seed ``seed + i`` (target-only,
+    where a seed fixes the output), and the choices differ."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "seed": 100, "ignore_eos": True, "speculation": "off", "logprobs": 0}
+    status, answer = post_completion(router, {**body, "n": 4})
+    assert status == 200, answer
+    choices = [choice["logprobs"]["tokens"] for choice in answer["choices"]]
+    singles = [post_completion(router, {**body, "seed": 100 + index})[1] for index in range(4)]
+    assert choices == [single["choices"][0]["logprobs"]["tokens"] for single in singles]
+    assert len({tuple(tokens) for tokens in choices}) > 1
+    assert answer["usage"]["completion_tokens"] == 32
