@@ -1,14 +1,18 @@
 """OpenAI-compatible HTTP on the router's event loop (aiohttp): completions, chat completions, models, health, metrics.
 
-``POST /v1/completions`` and ``POST /v1/chat/completions`` take the OpenAI request bodies (one prompt, ``n = 1``)
-plus the extensions ``top_k``, ``min_p``, ``ignore_eos``, ``speculation``, ``drafter``, ``num_draft_tokens``,
-``tree_width`` and ``tree_budget``. With ``"stream": true`` the answer is server-sent events, one
-``data: {chunk}`` per round that released text, the last chunk carrying ``finish_reason``, then
-``data: [DONE]``; otherwise one JSON object with ``choices`` and ``usage``. Both carry the request's speculation
-counters under ``"speculation"``. Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
-field, 401 without the bearer token, 429 with ``Retry-After`` when overloaded, 503 without a verifier.
-``GET /metrics`` is the Prometheus exposition of :class:`~router.metrics.RouterMetrics`; like ``/health`` (and
-vLLM's ``/metrics``) it needs no bearer token.
+``POST /v1/completions`` and ``POST /v1/chat/completions`` take the OpenAI request bodies (one prompt) plus the
+extensions ``top_k`` (-1 or 0: off), ``min_p``, ``ignore_eos``, ``speculation``, ``drafter``, ``num_draft_tokens``,
+``tree_width`` and ``tree_budget``. ``n`` choices run as independent requests seeded ``seed + i`` (vLLM's rule).
+``logprobs`` / ``top_logprobs`` (chat) and ``logprobs: N`` (completions) return the target's log-probabilities in
+OpenAI's (and vLLM's) layouts. With ``"stream": true`` the answer is server-sent events, one ``data: {chunk}`` per
+round that released text, each choice's last chunk carrying its ``finish_reason``, then ``data: [DONE]``; otherwise
+one JSON object with ``choices`` and ``usage``. Both carry the request's speculation counters under
+``"speculation"``. Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 naming the field (the body
+is checked whole first: valid UTF-8 JSON, no lone surrogates, at most :data:`MAX_JSON_DEPTH` deep; then every field,
+numbers against what they mean and what the wire carries, in :func:`~router.requests.plan_request`, which the gRPC
+API shares), 401 without the bearer token, 413 over :data:`MAX_BODY_BYTES`, 429 with ``Retry-After`` when
+overloaded, 503 without a verifier. ``GET /metrics`` is the Prometheus exposition of
+:class:`~router.metrics.RouterMetrics`; like ``/health`` (and vLLM's ``/metrics``) it needs no bearer token.
 """
 
 from __future__ import annotations
