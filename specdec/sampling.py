@@ -3,8 +3,10 @@
 One function, :func:`logits_to_probs`, is used identically for the target (its ``p``) and the
 drafter (its ``q``), so the acceptance rule always compares the distributions that were really
 used. Order of transforms: temperature, top-k, top-p, min-p, each followed by renormalisation.
-Temperature 0 is greedy: the one-hot of the argmax (lowest id on ties). :func:`top_logprobs` reads the most
-probable alternatives off a row of log-probabilities (what a request's ``top_logprobs`` returns).
+Temperature 0 is greedy: the one-hot of the argmax (lowest id on ties); so is any temperature below
+:data:`GREEDY_BELOW` (vLLM's ``_SAMPLING_EPS``): there ``logits / temperature`` can overflow float32 into NaN
+probabilities, and such a temperature is the greedy limit but for near-exact ties. :func:`top_logprobs` reads the
+most probable alternatives off a row of log-probabilities (what a request's ``top_logprobs`` returns).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
 MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's default max_logprobs)
 
 
@@ -40,7 +43,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def with_top_k_cap(self, cap: int) -> SamplingParams:
         """The same settings with top-k no larger than ``cap`` (a drafter's own truncation)."""
