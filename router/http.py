@@ -92,10 +92,10 @@ def error_response(error: BaseException, retry_after_s: float) -> web.Response:
 # --- request bodies -------------------------------------------------------------------------------------------
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+def parse_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object of Unicode text, at most :data:`MAX_JSON_DEPTH` deep (JSON is UTF-8, RFC 8259)."""
     try:
-        body = json.loads((await request.read()).decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"))
     except ValueError as error:  # bad JSON, bad UTF-8, an integer over Python's digit limit
         raise InvalidArgumentError("body", f"is not valid JSON: {error}") from None
     except RecursionError:  # nesting far past the depth limit: the decoder gives up first
@@ -114,24 +114,33 @@ def _check_json(body: dict[str, Any]) -> None:
         container, path, depth = containers.pop()
         if depth > MAX_JSON_DEPTH:
             raise InvalidArgumentError("body", f"is nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(container, dict):
-            for key in container:
-                _check_text(f"{path}.{key}" if path else "body", key)
-            items = [(f"{path}.{key}" if path else key, value) for key, value in container.items()]
-        else:
-            items = [(f"{path}[{index}]", value) for index, value in enumerate(container)]
-        for item_path, value in items:
-            if isinstance(value, str):
-                _check_text(item_path, value)
-            elif isinstance(value, dict | list):
-                containers.append((value, item_path, depth + 1))
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, value in items:
+            if isinstance(key, str) and not _is_unicode(key):
+                raise _not_unicode(path or "body")
+            if isinstance(value, str) and not _is_unicode(value):
+                raise _not_unicode(_child(path, key))
+            if isinstance(value, dict | list):
+                containers.append((value, _child(path, key), depth + 1))
 
 
-def _check_text(path: str, text: str) -> None:
+def _child(path: str, key: str | int) -> str:
+    """The field name of ``key`` inside ``path``: ``prompt``, ``messages[0]``, ``messages[0].content``."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _is_unicode(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgumentError(path, "is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)") from None
+        return False
+    return True
+
+
+def _not_unicode(field: str) -> InvalidArgumentError:
+    return InvalidArgumentError(field, "is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)")
 
 
 def _typed(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
@@ -432,7 +441,7 @@ async def _all_or_none(coroutines: list[Coroutine[Any, Any, T]]) -> list[T]:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     frontend = request.app[FRONTEND_KEY]
     try:
-        body = await _json_body(request)
+        body = await asyncio.to_thread(parse_body, await request.read())  # a 4 MiB body: off the loop
         generate_input = chat_input(body) if chat else completion_input(body)
         n = choices_wanted(body)
         stream = _typed(body, "stream", "boolean", False)
