@@ -191,7 +191,7 @@ def _check_int32(request: GenerateInput) -> None:
     }
     for name, value in counts.items():
         if value is not None and not -INT32_MAX - 1 <= value <= INT32_MAX:
-            raise InvalidArgumentError(name, f"must be at most {INT32_MAX}, got {value}")
+            raise InvalidArgumentError(name, f"must be a 32-bit integer ([{-INT32_MAX - 1}, {INT32_MAX}]), got {value}")
     if any(not 0 <= token <= INT32_MAX for token in request.prompt_ids):
         raise InvalidArgumentError("prompt_ids", f"token ids must be in [0, {INT32_MAX}]")
 

@@ -355,6 +355,9 @@ BAD = {
     "text without tokenizer": ({"prompt": "hello", "max_tokens": 4}, "prompt"),
     "stop without tokenizer": ({"prompt_ids": [1], "max_tokens": 4, "stop": ["x"]}, "stop"),
     "negative token id": ({"prompt_ids": [1, -3], "max_tokens": 4}, "prompt_ids"),
+    "temperature NaN": ({"prompt_ids": [1], "max_tokens": 4, "temperature": float("nan")}, "temperature"),
+    "top_logprobs 21": ({"prompt_ids": [1], "max_tokens": 4, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "top_logprobs alone": ({"prompt_ids": [1], "max_tokens": 4, "top_logprobs": 2}, "top_logprobs"),
 }
 
 
