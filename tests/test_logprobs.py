@@ -15,6 +15,7 @@ import http.client
 import json
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -149,7 +150,8 @@ def router(target: LoadedModel) -> Iterator[RunningRouter]:
         yield running
 
 
-def post_completion(router: RunningRouter, body: dict) -> tuple[int, dict]:
+def post_completion(router: RunningRouter, body: dict) -> tuple[int, Any]:
+    """Status and JSON answer; for ``"stream": true`` the list of the events' JSON payloads (``[DONE]`` dropped)."""
     host, port = router.http_address.rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
@@ -157,16 +159,22 @@ def post_completion(router: RunningRouter, body: dict) -> tuple[int, dict]:
             "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
         )
         response = connection.getresponse()
-        return response.status, json.loads(response.read())
+        data = response.read()
     finally:
         connection.close()
+    if not body.get("stream"):
+        return response.status, json.loads(data)
+    return response.status, [json.loads(event[len("data: ") :]) for event in data.decode().split("\n\n")[:-2]]
 
 
-@pytest.mark.parametrize("speculation", ["off", "sequential", "pipelined"])
+@pytest.mark.parametrize(
+    ("speculation", "tree_width"), [("off", 1), ("sequential", 1), ("pipelined", 1), ("sequential", 2)]
+)
 @pytest.mark.parametrize("params", [FILTERED, GREEDY], ids=["sampled", "greedy"])
 def test_the_sdk_gets_the_target_rows(
-    router: RunningRouter, target: LoadedModel, params: SamplingParams, speculation: str
+    router: RunningRouter, target: LoadedModel, params: SamplingParams, speculation: str, tree_width: int
 ) -> None:
+    """Target-only, chains (pipelined: rows kept from a deferred bonus) and trees (rows of the chosen path)."""
     with Client(router.grpc_address, timeout_s=60) as client:
         result = client.generate(
             prompt_ids=PROMPT,
@@ -178,6 +186,7 @@ def test_the_sdk_gets_the_target_rows(
             ignore_eos=True,
             speculation=speculation,
             drafter="model",
+            tree_width=tree_width,
             logprobs=True,
             top_logprobs=4,
         )
@@ -211,6 +220,12 @@ def test_http_completions_carry_the_target_rows(router: RunningRouter, target: L
         best = sorted((t for t in range(VOCAB) if log_p[t] > -float("inf")), key=lambda t: (-float(log_p[t]), t))[:3]
         assert set(top) == {str(t) for t in [token, *best]}
         assert all(logprob == pytest.approx(float(log_p[int(t)]), abs=TOLERANCE) for t, logprob in top.items())
+    status, events = post_completion(router, {**body, "stream": True})  # the same seed: the same tokens, in chunks
+    assert status == 200
+    streamed = [event["choices"][0]["logprobs"] for event in events if event["choices"][0]["logprobs"]]
+    assert len(streamed) > 1
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [entry for chunk in streamed for entry in chunk[key]] == logprobs[key]  # offsets run on across chunks
 
 
 def test_n_choices_are_the_requests_seeded_seed_plus_i(router: RunningRouter) -> None:
