@@ -55,6 +55,8 @@ UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "best_of": 1,
     "logit_bias": {},
     "suffix": "",
+    "response_format": {"type": "text"},
+    "tools": [],
 }
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
 _CREATED = int(time.time())
@@ -309,6 +311,7 @@ def merged_stats(stats: list[RequestStats]) -> RequestStats:
 
 
 def speculation_body(finals: list[Final]) -> dict[str, Any]:
+    """The ``"speculation"`` object: the choices' counters together, with their mean accepted length."""
     stats = merged_stats([final.stats for final in finals])
     return {**asdict(stats), "mean_accepted_length": stats.mean_accepted_length}
 
@@ -457,7 +460,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     choices = [_Choice(index) for index in range(n)]
     if not stream:
         finals = await _all_or_none(
-            [frontend.generate(plan, choice.collect) for plan, choice in zip(plans, choices, strict=True)]
+            [frontend.generate(choice_plan, choice.collect) for choice_plan, choice in zip(plans, choices, strict=True)]
         )
         return web.json_response(
             call.full_body(choices, finals, plan.logprobs), dumps=lambda o: json.dumps(o, ensure_ascii=False)

@@ -223,6 +223,11 @@ BAD = {
     "n 0": ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     "presence_penalty": ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     "logit_bias": ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    "response_format": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
 }
 
 
