@@ -30,7 +30,7 @@ from router.server import RunningRouter
 from specdec.client import Client
 from specdec.models import load_tokenizer
 from tests.test_router_distribution import served_router
-from tests.test_router_grpc import Stack
+from tests.test_router_grpc import Stack, wait_until
 from tests.tiny_models import SMOLLM2, tiny_draft, tiny_llama
 
 CALL_TIMEOUT_S = 30  # "no hang": every answer well within this
@@ -165,7 +165,7 @@ def test_any_http_body_is_answered_without_a_server_error(http_stack: Stack, cas
 def test_the_http_fuzzed_router_still_serves(http_stack: Stack) -> None:
     """After the fuzzing above (same module, so the same router), a good request is served; nothing leaked."""
     assert_served_well(http_stack.router.http_address)
-    assert not http_stack.verifier.sequences and not http_stack.drafter.sequences
+    assert wait_until(lambda: not http_stack.verifier.sequences and not http_stack.drafter.sequences)
 
 
 # --- gRPC -------------------------------------------------------------------------------------------------------
@@ -294,3 +294,4 @@ def test_the_grpc_fuzzed_router_still_serves(grpc_router: RunningRouter) -> None
     with Client(grpc_router.grpc_address, timeout_s=CALL_TIMEOUT_S) as client:
         result = client.generate(prompt_ids=[1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(result.token_ids) == 4 and result.finish_reason == "length"
+    assert wait_until(lambda: all(worker.outstanding == 0 for worker in grpc_router.frontend.workers()))
