@@ -19,7 +19,7 @@ from specdec_wire.v1 import common_pb2
 
 from specdec.drafters.base import Proposal
 from specdec.errors import InvalidArgumentError
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, TopLogprobs
 from specdec.tree import TokenTree
 
 MAX_FEATURE_ROWS = 1 << 17  # positions in one FeatureRows: more than any context served here
@@ -61,6 +61,14 @@ def sampling_from_wire(message: common_pb2.SamplingParams) -> SamplingParams:
         top_p=message.top_p if message.HasField("top_p") else 1.0,
         min_p=message.min_p,
     )
+
+
+def top_logprobs_to_wire(top: TopLogprobs) -> common_pb2.TopLogprobs:
+    return common_pb2.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+
+
+def top_logprobs_from_wire(message: common_pb2.TopLogprobs) -> TopLogprobs:
+    return TopLogprobs(tuple(message.token_ids), tuple(message.logprobs))
 
 
 def tree_to_wire(tree: TokenTree) -> common_pb2.TokenTree:

@@ -59,7 +59,7 @@ from router.errors import NoWorkerError, WorkerBusyError, WorkerError, WorkerRej
 from router.requests import DraftShape, Plan
 from router.text import TextStream
 from specdec.adaptive import Candidate, SpeculationController
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, TopLogprobs
 from specdec.stats import AcceptanceCounts
 from specdec.tree import TokenTree
 
@@ -78,6 +78,7 @@ class SequenceSpec:
     logprobs: bool
     shape: DraftShape
     features: bool = False  # the verifier returns the target's feature rows with every verdict
+    top_logprobs: int = 0  # with logprobs: alternatives per emitted token
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class Verified:
     wire_bytes: int = 0  # size of the verdict's reply on the wire without its feature rows (0: not measured)
     features: object | None = None  # the target's feature rows, encoded: relayed to the drafter unchanged
     feature_bytes: int = 0  # their size on the wire
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # per emitted token, when the sequence asked for alternatives
 
 
 class Commit(NamedTuple):
@@ -213,11 +215,13 @@ class Placement(Protocol):
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens committed by one round, the text they complete and (if asked) their log-probabilities."""
+    """Tokens committed by one round, the text they complete and (if asked) their log-probabilities and each one's
+    most probable alternatives."""
 
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[TopLogprobs, ...] = ()
 
 
 @dataclass
@@ -341,7 +345,16 @@ class Session:
     def _spec(self, features: bool = False) -> SequenceSpec:
         plan = self.plan
         prompt = plan.prompt_ids + tuple(self.generated)
-        return SequenceSpec(prompt, plan.sampling, self.remaining, plan.ignore_eos, plan.logprobs, plan.shape, features)
+        return SequenceSpec(
+            prompt,
+            plan.sampling,
+            self.remaining,
+            plan.ignore_eos,
+            plan.logprobs,
+            plan.shape,
+            features,
+            plan.top_logprobs,
+        )
 
     async def _open(self) -> None:
         """Open on a verifier (required) and a drafter (optional) at once; the verifier sends feature rows when the
@@ -573,7 +586,6 @@ class Session:
     def _take(self, verified: Verified) -> Chunk:
         """Account the verdict's tokens (cut at the budget or a stop string); set ``finish_reason`` when done."""
         tokens = list(verified.emitted[: self.remaining])
-        logprobs = list(verified.logprobs[: len(tokens)]) if self.plan.logprobs else []
         pieces: list[str] = []
         stopped = False
         if self.text is not None:
@@ -581,8 +593,10 @@ class Session:
                 pieces.append(self.text.push(token))
                 if self.text.stopped:
                     stopped = True
-                    tokens, logprobs = tokens[: index + 1], logprobs[: index + 1]
+                    tokens = tokens[: index + 1]
                     break
+        logprobs = verified.logprobs[: len(tokens)] if self.plan.logprobs else ()
+        alternatives = verified.top_logprobs[: len(tokens)] if self.plan.logprobs else ()
         self.generated.extend(tokens)
         if stopped:
             self.finish_reason = "stop"
@@ -591,7 +605,7 @@ class Session:
             self.finish_reason = "stop" if at_eos or self.remaining > 0 else "length"
             if self.text is not None:
                 pieces.append(self.text.flush())
-        return Chunk(tuple(tokens), "".join(pieces), tuple(logprobs))
+        return Chunk(tuple(tokens), "".join(pieces), tuple(logprobs), tuple(alternatives))
 
     async def _recover(self, error: WorkerError, verifier: VerifierClient, drafted: Drafted | None) -> None:
         """After a failed Verify: blame the drafter for a refused proposal, else re-place on another verifier."""

@@ -2,28 +2,36 @@
 
 :class:`GenerateInput` holds the fields as sent (unset numbers are ``None``); :func:`plan_request` checks them,
 tokenizes, resolves the server defaults and returns the :class:`Plan` the round loop runs. Every rejection is
-an :class:`~specdec.errors.InvalidArgumentError` naming the field, before any worker is touched.
+an :class:`~specdec.errors.InvalidArgumentError` naming the field, before any worker is touched: numbers are first
+held to what their fields on the internal wire carry (int32 counts, float32 sampling settings, token ids), so
+nothing valid here fails to encode later; then to what they mean (vLLM's conventions, e.g. ``top_k = -1`` is
+"disabled").
 """
 
 from __future__ import annotations
 
+import math
 import secrets
+import struct
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal, cast
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from router.config import RouterConfig
 from specdec.drafters import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
-from specdec.sampling import SamplingParams
+from specdec.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 Mode = Literal["off", "sequential", "pipelined", "auto"]
 MODES: tuple[str, ...] = ("off", "sequential", "pipelined", "auto")
 MAX_TREE_WIDTH = 16
 MAX_STOP_STRINGS = 16
 UINT64 = 1 << 64
+INT32_MAX = (1 << 31) - 1  # the largest count or token id an int32 wire field carries
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class GenerateInput:
     tree_width: int = 0
     tree_budget: int = 0
     logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,7 @@ class Plan:
     drafter_kind: str | None
     shape: DraftShape
     eos_token_ids: frozenset[int]
+    top_logprobs: int = 0  # with logprobs: alternatives per generated token
 
 
 def plan_request(
@@ -117,6 +127,7 @@ def plan_request(
     """
     if request.model and request.model != config.model:
         raise InvalidArgumentError("model", f"unknown model {request.model!r}; this router serves {config.model!r}")
+    _check_int32(request)
     prompt_ids = _prompt_ids(request, tokenizer)
     max_tokens = request.max_tokens if request.max_tokens is not None else default_max_tokens
     max_tokens = config.default_max_tokens if max_tokens is None else max_tokens
@@ -133,14 +144,20 @@ def plan_request(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                 f"{config.max_model_len}",
             )
+    if request.top_k < -1:
+        raise InvalidArgumentError("top_k", f"must be -1 or 0 (disabled) or a count >= 1, got {request.top_k}")
     sampling = SamplingParams(
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_k=request.top_k,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        min_p=request.min_p,
+        temperature=_float32("temperature", 1.0 if request.temperature is None else request.temperature),
+        top_k=max(request.top_k, 0),
+        top_p=_float32("top_p", 1.0 if request.top_p is None else request.top_p),
+        min_p=_float32("min_p", request.min_p),
     )
     if request.seed is not None and not 0 <= request.seed < UINT64:
         raise InvalidArgumentError("seed", f"must be in [0, 2^64), got {request.seed}")
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgumentError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidArgumentError("top_logprobs", "needs logprobs")
     _check_stop(request.stop, tokenizer)
     mode, kind = _speculation(request, config, drafter_kinds)
     shape = _shape(request, config)
@@ -155,11 +172,37 @@ def plan_request(
         stop=request.stop,
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
         mode="sequential" if mode == "pipelined" and not shape.is_chain else mode,
         drafter_kind=kind,
         shape=shape,
         eos_token_ids=frozenset() if request.ignore_eos else eos,
     )
+
+
+def _check_int32(request: GenerateInput) -> None:
+    """Every integer that travels as an int32 on the internal wire (counts and token ids) fits in one."""
+    counts = {
+        "max_tokens": request.max_tokens,
+        "top_k": request.top_k,
+        "num_draft_tokens": request.num_draft_tokens,
+        "tree_width": request.tree_width,
+        "tree_budget": request.tree_budget,
+        "top_logprobs": request.top_logprobs,
+    }
+    for name, value in counts.items():
+        if value is not None and not -INT32_MAX - 1 <= value <= INT32_MAX:
+            raise InvalidArgumentError(name, f"must be a 32-bit integer ([{-INT32_MAX - 1}, {INT32_MAX}]), got {value}")
+    if any(not 0 <= token <= INT32_MAX for token in request.prompt_ids):
+        raise InvalidArgumentError("prompt_ids", f"token ids must be in [0, {INT32_MAX}]")
+
+
+def _float32(name: str, value: float) -> float:
+    """``value`` as the float32 the internal wire carries (so the plan checks what the workers will read)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0] if math.isfinite(value) else value
+    except OverflowError:
+        raise InvalidArgumentError(name, f"must be a finite 32-bit float, got {value}") from None
 
 
 def _prompt_ids(request: GenerateInput, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
@@ -175,22 +218,28 @@ def _prompt_ids(request: GenerateInput, tokenizer: PreTrainedTokenizerBase | Non
     if request.prompt_ids:
         if request.chat:
             raise InvalidArgumentError("chat", "applies to a text prompt, not to prompt_ids")
-        if any(token < 0 for token in request.prompt_ids):
-            raise InvalidArgumentError("prompt_ids", "token ids must be >= 0")
         return tuple(request.prompt_ids)
     field = "messages" if request.messages else "prompt"
     if tokenizer is None:
         raise InvalidArgumentError(field, "this router has no tokenizer; send prompt_ids")
     if request.messages or request.chat:
         messages = request.messages or (Message("user", request.prompt),)
+        for index, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidArgumentError(
+                    f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}"
+                )
         if tokenizer.chat_template is None:
             raise InvalidArgumentError("chat" if request.chat else field, "the served model has no chat template")
-        ids = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
+        try:
+            ids = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        except TemplateError as error:  # the template's own checks (e.g. roles in a given order)
+            raise InvalidArgumentError(field, f"the model's chat template refused them: {error}") from None
     else:
         ids = tokenizer.encode(request.prompt, add_special_tokens=False)
     if not ids:

@@ -25,8 +25,8 @@ from router.frontend import Frontend
 from router.http import build_app
 from router.servicer import SERVICE_NAME, RouterServicer, add_to_server
 from router.workers import WorkerPool
-from specdec.models import load_tokenizer
 from specdec.adaptive import SpeculationController
+from specdec.models import load_tokenizer
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,6 +18,7 @@ import grpc.aio
 from google.protobuf.message import DecodeError
 from specdec_wire.v1 import router_pb2, router_pb2_grpc
 
+from grpc_common.convert import top_logprobs_to_wire
 from router.errors import NoWorkerError, OverloadedError, UnauthenticatedError, WorkerUnavailableError
 from router.frontend import Frontend
 from router.pipeline import Chunk, Final
@@ -57,22 +58,29 @@ def input_from_wire(request: router_pb2.GenerateRequest) -> GenerateInput:
         tree_width=request.tree_width,
         tree_budget=request.tree_budget,
         logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
     )
 
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:
-    """Consecutive chunks as one (the same tokens, text and log-probabilities, in order)."""
+    """Consecutive chunks as one (the same tokens, text, log-probabilities and alternatives, in order)."""
     if len(chunks) == 1:
         return chunks[0]
     return Chunk(
         tuple(token for chunk in chunks for token in chunk.token_ids),
         "".join(chunk.text for chunk in chunks),
         tuple(logprob for chunk in chunks for logprob in chunk.logprobs),
+        tuple(top for chunk in chunks for top in chunk.top_logprobs),
     )
 
 
 def chunk_to_wire(chunk: Chunk) -> router_pb2.GenerateResponse:
-    return router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text, logprobs=chunk.logprobs)
+    return router_pb2.GenerateResponse(
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        logprobs=chunk.logprobs,
+        top_logprobs=[top_logprobs_to_wire(top) for top in chunk.top_logprobs],
+    )
 
 
 def final_to_wire(final: Final) -> router_pb2.GenerateResponse:

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
-from grpc_common.convert import sampling_to_wire, tree_from_wire
+from grpc_common.convert import sampling_to_wire, top_logprobs_from_wire, tree_from_wire
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from grpc_common.tls import aio_channel
 from router.batching import CallBatcher
@@ -208,6 +208,7 @@ class GrpcVerifier(WorkerClient):
             logprobs=spec.logprobs,
             features=spec.features,
             feature_dtype=FEATURE_DTYPE,
+            top_logprobs=spec.top_logprobs,
         )
         await self._call("open", verifier_pb2.VerifierCall(open=request))
 
@@ -236,6 +237,7 @@ class GrpcVerifier(WorkerClient):
             wire_bytes=reply.ByteSize() - feature_bytes,
             features=features,
             feature_bytes=feature_bytes,
+            top_logprobs=tuple(top_logprobs_from_wire(top) for top in verdict.top_logprobs),
         )
 
     async def close(self, sequence_id: str) -> None:

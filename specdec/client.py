@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypedDict, Unpack
 
@@ -133,6 +133,8 @@ class Chunk:
 
     ``text`` may lag ``token_ids`` (an incomplete character, or a possible start of a stop string, is held).
     ``finish_reason`` (``"stop"`` or ``"length"``), ``usage`` and ``stats`` are set on the last chunk only.
+    ``logprobs`` (option ``logprobs``) has one log-probability per token; ``top_logprobs`` (option
+    ``top_logprobs``) one list per token of ``(token id, logprob)`` alternatives, most probable first.
     """
 
     token_ids: list[int]
@@ -141,6 +143,7 @@ class Chunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     stats: Stats | None = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class GenerateResult:
     stats: Stats
     logprobs: list[float]
     elapsed_s: float
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -179,6 +183,7 @@ class GenerateOptions(TypedDict, total=False):
     tree_width: int
     tree_budget: int
     logprobs: bool
+    top_logprobs: int  # with logprobs: alternatives per token, 0 to 20
 
 
 def build_request(
@@ -211,6 +216,7 @@ def build_request(
         tree_width=options.get("tree_width", 0),
         tree_budget=options.get("tree_budget", 0),
         logprobs=options.get("logprobs", False),
+        top_logprobs=options.get("top_logprobs", 0),
     )
     if "seed" in options:
         request.seed = options["seed"]
@@ -218,13 +224,15 @@ def build_request(
 
 
 def chunk_from_wire(message: router_pb2.GenerateResponse) -> Chunk:
+    top_logprobs = [list(zip(top.token_ids, top.logprobs, strict=True)) for top in message.top_logprobs]
     if not message.finish_reason:
-        return Chunk(list(message.token_ids), message.text, list(message.logprobs))
+        return Chunk(list(message.token_ids), message.text, list(message.logprobs), top_logprobs=top_logprobs)
     stats = message.stats
     return Chunk(
         list(message.token_ids),
         message.text,
         list(message.logprobs),
+        top_logprobs=top_logprobs,
         finish_reason=message.finish_reason,
         usage=Usage(message.usage.prompt_tokens, message.usage.completion_tokens),
         stats=Stats(
@@ -253,12 +261,14 @@ class _Accumulator:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.last: Chunk | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.top_logprobs.extend(chunk.top_logprobs)
         self.last = chunk
 
     def result(self) -> GenerateResult:
@@ -267,7 +277,14 @@ class _Accumulator:
             raise ClientError(grpc.StatusCode.INTERNAL, "the stream ended without a final message")
         elapsed = time.perf_counter() - self.started
         return GenerateResult(
-            "".join(self.text), self.token_ids, last.finish_reason, last.usage, last.stats, self.logprobs, elapsed
+            "".join(self.text),
+            self.token_ids,
+            last.finish_reason,
+            last.usage,
+            last.stats,
+            self.logprobs,
+            elapsed,
+            self.top_logprobs,
         )
 
 

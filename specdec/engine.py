@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from specdec.adaptive import AcceptanceTracker, Candidate, SpeculationController
 from specdec.drafters.base import Drafter, Proposal
 from specdec.runner import KVRunner
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, TopLogprobs
 from specdec.stats import AcceptanceCounts
 from specdec.tree import TokenTree
 from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
@@ -29,13 +29,16 @@ from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt (token ids) and how to continue it."""
+    """One prompt (token ids) and how to continue it; ``logprobs`` / ``top_logprobs`` as in
+    :meth:`~specdec.verification.BatchVerifier.open`."""
 
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 64
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -49,10 +52,14 @@ class SpecStats(AcceptanceCounts):
 
 @dataclass(frozen=True)
 class GenerationResult:
+    """``logprobs`` and ``top_logprobs`` (one per token) are empty unless the request asked for them."""
+
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS) or "length"
     stats: SpecStats
     elapsed_s: float
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -65,6 +72,8 @@ class _Sequence:
     sequence_id: str
     draft_handle: int | None
     output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     released: bool = False
@@ -114,7 +123,10 @@ class Engine:
             for sequence in sequences:
                 self._close(sequence)
         elapsed = time.perf_counter() - start
-        return [GenerationResult(s.output, s.finish_reason or "length", s.stats, elapsed) for s in sequences]
+        return [
+            GenerationResult(s.output, s.finish_reason or "length", s.stats, elapsed, s.logprobs, s.top_logprobs)
+            for s in sequences
+        ]
 
     def _open(self, request: GenerationRequest) -> _Sequence:
         sequence_id = str(next(self._ids))
@@ -126,7 +138,9 @@ class Engine:
             request.max_tokens,
             self.eos_token_ids,
             ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs,
             features=self.drafter is not None and self.drafter.feature_width > 0,
+            top_logprobs=request.top_logprobs,
         )
         tracker = self.controller.tracker() if self.controller is not None else None
         sequence = _Sequence(request, sequence_id, None, tracker=tracker)
@@ -215,4 +229,6 @@ class Engine:
         stats.verify_s += outcome.verify_s
         stats.state_s += outcome.commit_s + drafter_commit_s
         sequence.output.extend(verdict.emitted)
+        sequence.logprobs.extend(outcome.logprobs or ())
+        sequence.top_logprobs.extend(outcome.top_logprobs or ())
         sequence.finish_reason = outcome.finish_reason

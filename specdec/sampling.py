@@ -3,7 +3,10 @@
 One function, :func:`logits_to_probs`, is used identically for the target (its ``p``) and the
 drafter (its ``q``), so the acceptance rule always compares the distributions that were really
 used. Order of transforms: temperature, top-k, top-p, min-p, each followed by renormalisation.
-Temperature 0 is greedy: the one-hot of the argmax (lowest id on ties).
+Temperature 0 is greedy: the one-hot of the argmax (lowest id on ties); so is any temperature below
+:data:`GREEDY_BELOW` (vLLM's ``_SAMPLING_EPS``): there ``logits / temperature`` can overflow float32 into NaN
+probabilities, and such a temperature is the greedy limit but for near-exact ties. :func:`top_logprobs` reads the
+most probable alternatives off a row of log-probabilities (what a request's ``top_logprobs`` returns).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.errors import InvalidArgumentError
+
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's default max_logprobs)
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def with_top_k_cap(self, cap: int) -> SamplingParams:
         """The same settings with top-k no larger than ``cap`` (a drafter's own truncation)."""
@@ -93,3 +99,25 @@ def sample_with_uniform(probs: torch.Tensor, uniform: float) -> int:
     while probs[index] <= 0:  # float rounding at the top end of the cdf can land on a zero tail
         index -= 1
     return index
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most probable tokens of one distribution row and their log-probabilities, most probable first."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+def top_logprobs(logprobs: torch.Tensor, count: int) -> TopLogprobs:
+    """The ``count`` most probable tokens of ``logprobs`` [V] (log-probabilities), most probable first, lower id first
+    on ties; tokens of probability 0 (``-inf``) are left out, so fewer than ``count`` come back when ``p`` has
+    smaller support.
+
+    >>> top_logprobs(torch.tensor([-1.0, -float("inf"), -0.5, -1.0]), 3)
+    TopLogprobs(token_ids=(2, 0, 3), logprobs=(-0.5, -1.0, -1.0))
+    """
+    values, ids = torch.sort(logprobs.float().cpu(), descending=True, stable=True)
+    values, ids = values[:count], ids[:count]
+    kept = torch.isfinite(values)
+    return TopLogprobs(tuple(ids[kept].tolist()), tuple(values[kept].tolist()))

@@ -30,7 +30,6 @@ which forward computes a prompt position's KV and nothing the acceptance rule re
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,7 +41,14 @@ from specdec.acceptance import SCHEMES, Verdict, verify_batched, verify_greedy
 from specdec.drafters.base import Proposal
 from specdec.errors import CapacityError, InvalidArgumentError, SpecdecError
 from specdec.runner import ForwardItem
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator
+from specdec.sampling import (
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    TopLogprobs,
+    logits_to_probs,
+    make_generator,
+    top_logprobs,
+)
 from specdec.tree import ROOT, TokenTree
 
 FinishReason = Literal["stop", "length"]
@@ -109,9 +115,11 @@ class VerifyOutcome:
     ``verdict`` is the acceptance verdict after the stop rules; when ``bonus_deferred`` its ``emitted`` holds
     only the accepted tokens (no final token) and ``finished`` is False. ``logprobs`` (when the sequence asked
     for them) is ``log p(token)`` of each emitted token under the processed ``p`` row it was accepted or drawn
-    at (0 under greedy, where ``p`` is one-hot). ``verify_s`` is the batch's target forward plus acceptance
-    rule, ``commit_s`` its KV commits; ``batch_size`` counts the calls verified together and ``forward_positions``
-    the positions their forward ran (prefill chunks included): the cost curve's abscissa.
+    at; under greedy, where that ``p`` is one-hot, the log-softmax of the raw logits of the row (vLLM's default
+    for logprobs). ``top_logprobs`` (when the sequence asked for ``top_logprobs > 0``) holds, per emitted token,
+    the most probable tokens of that same row. ``verify_s`` is the batch's target forward plus acceptance
+    rule, ``commit_s`` its KV commits; ``batch_size`` counts the calls verified together and
+    ``forward_positions`` the positions their forward ran (prefill chunks included): the cost curve's abscissa.
 
     ``features`` (when the sequence was opened with ``features``) [R, hidden] float32: the target's feature rows
     (:meth:`~specdec.runner.KVRunner.forward_features`) of the positions ``feature_start .. feature_start + R - 1``
@@ -130,6 +138,7 @@ class VerifyOutcome:
     forward_positions: int = 0
     features: torch.Tensor | None = None
     feature_start: int = 0
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass
@@ -145,6 +154,7 @@ class _Sequence:
     generator: torch.Generator
     eos_token_ids: frozenset[int]  # empty when EOS is ignored
     want_logprobs: bool
+    top_logprobs: int  # alternatives per emitted token (0: none)
     remaining: int
     pending: list[int]
     root_row: torch.Tensor | None = None  # [V] kept row at the last committed token: logits (greedy) or p
@@ -168,6 +178,7 @@ class _Job:
     verdict: Verdict | None = None
     deferred: bool = False
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 class BatchVerifier:
@@ -219,11 +230,13 @@ class BatchVerifier:
         ignore_eos: bool = False,
         logprobs: bool = False,
         features: bool = False,
+        top_logprobs: int = 0,
     ) -> None:
         """Open a sequence; the prompt is prefilled with its first :meth:`verify` (or chunk by chunk before it).
 
         ``features``: every outcome carries the target's feature rows of the positions it gave KV (an EAGLE
-        drafter drafts from them).
+        drafter drafts from them). ``top_logprobs`` (with ``logprobs``): every outcome carries that many most
+        probable tokens of each emitted token's row.
 
         Raises InvalidArgumentError (bad or duplicate id, bad request fields) or CapacityError (``max_sequences``).
         """
@@ -232,6 +245,10 @@ class BatchVerifier:
         if sequence_id in self._sequences:
             raise InvalidArgumentError("sequence_id", f"{sequence_id!r} is already open")
         self.validate(prompt_ids, max_tokens)
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgumentError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+        if top_logprobs and not logprobs:
+            raise InvalidArgumentError("top_logprobs", "needs logprobs")
         if self.max_sequences is not None and len(self._sequences) >= self.max_sequences:
             raise CapacityError(f"{self.max_sequences} sequences are open; retry after some finish")
         self._sequences[sequence_id] = _Sequence(
@@ -240,6 +257,7 @@ class BatchVerifier:
             generator=make_generator(seed),
             eos_token_ids=frozenset() if ignore_eos else frozenset(int(token) for token in eos_token_ids),
             want_logprobs=logprobs,
+            top_logprobs=top_logprobs,
             remaining=max_tokens,
             pending=[int(token) for token in prompt_ids],
             want_features=features,
@@ -331,6 +349,7 @@ class BatchVerifier:
                 bonus_deferred=job.deferred,
                 finish_reason=job.sequence.finish_reason,
                 logprobs=job.logprobs,
+                top_logprobs=job.top_logprobs,
                 verify_s=verified - started,
                 commit_s=committed - verified,
                 batch_size=len(calls),
@@ -411,7 +430,7 @@ class BatchVerifier:
                     verdict, emitted=verdict.emitted[:-1], final_token_kind=None, final_row=None, finished=False
                 )
             if sequence.want_logprobs:
-                job.logprobs = _logprobs(job, job.verdict)
+                job.logprobs, job.top_logprobs = _logprobs(job, job.verdict)
 
     def _commit(self, job: _Job) -> None:
         """Keep the accepted path's KV (pointer arithmetic for chains) and advance the sequence."""
@@ -474,12 +493,17 @@ def _verify_sampled(jobs: list[_Job], scheme: str) -> list[Verdict]:
     )
 
 
-def _logprobs(job: _Job, verdict: Verdict) -> list[float]:
-    """``log p`` of each emitted token at the row it was accepted or drawn at (the parent's row)."""
-    if job.sequence.params.greedy:
-        return [0.0] * len(verdict.emitted)
-    rows = [0] + [node + 1 for node in verdict.accepted_path]
-    return [math.log(float(job.rows[row, token])) for row, token in zip(rows, verdict.emitted, strict=False)]
+def _logprobs(job: _Job, verdict: Verdict) -> tuple[list[float], list[TopLogprobs] | None]:
+    """``log p`` of each emitted token at the row it was accepted or drawn at (the parent's row), and that row's most
+    probable tokens when the sequence asks for them. The row is the processed ``p`` the rule read; greedy rows are
+    raw logits (the rule's ``p`` is their one-hot), reported as their log-softmax."""
+    rows = ([0] + [node + 1 for node in verdict.accepted_path])[: len(verdict.emitted)]
+    selected = job.rows[rows].float().cpu()  # [E, V]
+    log_p = torch.log_softmax(selected, dim=-1) if job.sequence.params.greedy else torch.log(selected)
+    emitted = torch.tensor(verdict.emitted, dtype=torch.long)
+    logprobs = log_p.gather(1, emitted[:, None]).squeeze(1).tolist()
+    count = job.sequence.top_logprobs
+    return logprobs, ([top_logprobs(row, count) for row in log_p] if count else None)
 
 
 def _check_draft_rows(tree: TokenTree, draft_probs: torch.Tensor, vocab: int) -> None:

@@ -47,11 +47,13 @@ def served_router(
     drafter_config: DrafterConfig,
     tls: TlsConfig = PLAINTEXT,
     controller: SpeculationController | None = None,
+    *,
+    max_model_len: int = 0,
     **drafter_models: object,
 ) -> Iterator[RunningRouter]:
     """A verifier service, one drafter service (``drafter_models``: its ``start_drafter`` models) and a router on
-    loopback, all three with ``tls``; ``controller`` chooses the router's auto draft lengths; yields the router and
-    stops all three."""
+    loopback, all three with ``tls``; ``controller`` chooses the router's auto draft lengths, ``max_model_len`` is
+    its context limit (0 for the verifier's); yields the router and stops all three."""
     verifier = start_verifier(VerifierConfig(tls=tls), model=target)
     drafter = start_drafter(replace(drafter_config, tls=tls), target=target, **drafter_models)
     router = start_router(
@@ -64,6 +66,7 @@ def served_router(
             eos_token_ids=tuple(target.eos_token_ids),
             max_concurrent_requests=32,
             tls=tls,
+            max_model_len=max_model_len,
         ),
         controller=controller,
     )

@@ -82,6 +82,7 @@ class FakeVerifierServicer(verifier_pb2_grpc.VerifierServicer):
             finished=verified.finished,
             bonus_deferred=verified.bonus_deferred,
             logprobs=[-0.5] * len(verified.emitted),
+            top_logprobs=[common_pb2.TopLogprobs(token_ids=[token], logprobs=[-0.5]) for token in verified.emitted],
         )
         return verifier_pb2.VerifyReply(verdict=verdict, verify_ns=verified.verify_ns, state_ns=verified.state_ns)
 
@@ -346,7 +347,7 @@ BAD = {
     "temperature": ({"prompt_ids": [1], "max_tokens": 4, "temperature": -1.0}, "temperature"),
     "top_p 0": ({"prompt_ids": [1], "max_tokens": 4, "top_p": 0.0}, "top_p"),
     "top_p 1.5": ({"prompt_ids": [1], "max_tokens": 4, "top_p": 1.5}, "top_p"),
-    "top_k": ({"prompt_ids": [1], "max_tokens": 4, "top_k": -1}, "top_k"),
+    "top_k": ({"prompt_ids": [1], "max_tokens": 4, "top_k": -2}, "top_k"),
     "model": ({"prompt_ids": [1], "max_tokens": 4, "model": "gpt-9"}, "model"),
     "drafter kind": ({"prompt_ids": [1], "max_tokens": 4, "drafter": "magic"}, "drafter"),
     "drafter not served": ({"prompt_ids": [1], "max_tokens": 4, "drafter": "model"}, "drafter"),
@@ -354,6 +355,9 @@ BAD = {
     "text without tokenizer": ({"prompt": "hello", "max_tokens": 4}, "prompt"),
     "stop without tokenizer": ({"prompt_ids": [1], "max_tokens": 4, "stop": ["x"]}, "stop"),
     "negative token id": ({"prompt_ids": [1, -3], "max_tokens": 4}, "prompt_ids"),
+    "temperature NaN": ({"prompt_ids": [1], "max_tokens": 4, "temperature": float("nan")}, "temperature"),
+    "top_logprobs 21": ({"prompt_ids": [1], "max_tokens": 4, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "top_logprobs alone": ({"prompt_ids": [1], "max_tokens": 4, "top_logprobs": 2}, "top_logprobs"),
 }
 
 

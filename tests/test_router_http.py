@@ -197,9 +197,9 @@ BAD = {
     "max_tokens text": ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
     "temperature": ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "temperature"),
     "top_p": ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p"),
-    "top_k": ("/v1/completions", {"prompt": "x", "top_k": -1}, "top_k"),
+    "top_k": ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
     "model": ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, "model"),
-    "n": ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    "n": ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
     "batch": ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     "stream type": ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     "drafter": ("/v1/completions", {"prompt": "x", "drafter": "magic"}, "drafter"),
@@ -209,6 +209,36 @@ BAD = {
     "bad message": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0]"),
     "bad content": ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     "not an object": ("/v1/completions", [1, 2], "body"),
+    # numbers past what the internal wire carries (these were 500s)
+    "max_tokens past int32": ("/v1/completions", {"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
+    "top_k past int32": ("/v1/completions", {"prompt": "x", "top_k": 2**40}, "top_k"),
+    "token id past int32": ("/v1/completions", {"prompt": [2**40], "max_tokens": 2}, "prompt_ids"),
+    "integer beyond float": ("/v1/completions", {"prompt": "x", "temperature": 10**400}, "temperature"),
+    "temperature past float32": ("/v1/completions", {"prompt": "x", "temperature": 1e39}, "temperature"),
+    "top_p rounds to 0": ("/v1/completions", {"prompt": "x", "top_p": 1e-50}, "top_p"),
+    "seed past uint64": ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed"),
+    # OpenAI parity
+    "unknown role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    "top_logprobs 21": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
+    "top_logprobs without logprobs": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        "top_logprobs",
+    ),
+    "completions logprobs 21": ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    "completions logprobs negative": ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+    "n 0": ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    "presence_penalty": ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    "logit_bias": ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    "response_format": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
 }
 
 
@@ -228,6 +258,83 @@ def test_malformed_json_and_utf8_are_400(stack: Stack) -> None:
     for data in (b"{not json", b'{"prompt": "\xff\xfe"}'):
         status, _, answer = post(stack, "/v1/completions", data)
         assert status == 400 and answer["error"]["param"] == "body"
+
+
+RAW_BAD = {  # raw bodies; each was a 500, or (surrogates outside the prompt, nesting in an unknown field) let through
+    "lone surrogate in the prompt": ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+    "lone surrogate in a stop string": ("/v1/completions", b'{"prompt": "ab", "stop": ["\\udc00"]}', "stop[0]"),
+    "lone surrogate in a message": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}]}',
+        "messages[0].content[0].text",
+    ),
+    "lone surrogate in a key": ("/v1/completions", b'{"prompt": "a", "\\ud800": 1}', "body"),
+    "nested too deep": ("/v1/completions", b'{"prompt": "a", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "body"),
+    "nested past the decoder": ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body"),
+    "integer past the digit limit": ("/v1/completions", b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", "body"),
+}
+
+
+@pytest.mark.parametrize("case", list(RAW_BAD))
+def test_bodies_no_tokenizer_can_take_are_400_naming_the_field(stack: Stack, case: str) -> None:
+    path, data, field = RAW_BAD[case]
+    status, _, answer = post(stack, path, data)
+    assert status == 400 and answer["error"]["param"] == field, answer
+    assert post(stack, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_top_k_minus_one_is_disabled(stack: Stack) -> None:
+    status, _, answer = post(stack, "/v1/completions", {"prompt": "x", "max_tokens": 3, "top_k": -1})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
+
+
+def test_chat_logprobs_layout(stack: Stack, tokenizer) -> None:
+    """OpenAI's chat layout: per token its text, logprob, UTF-8 bytes and top_logprobs (the fake target's own token
+    at -0.5), in the whole body and in the streamed chunks."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "logprobs": True, "top_logprobs": 1}
+    status, _, answer = post(stack, "/v1/chat/completions", body)
+    assert status == 200, answer
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == 10
+    for entry in content:
+        assert entry["logprob"] == -0.5 and entry["bytes"] == list(entry["token"].encode())
+        assert entry["top_logprobs"] == [{"token": entry["token"], "logprob": -0.5, "bytes": entry["bytes"]}]
+    status, _, data = post(stack, "/v1/chat/completions", {**body, "stream": True})
+    streamed = [
+        entry for chunk in events(data)[:-1] for entry in ((chunk["choices"][0]["logprobs"] or {}).get("content") or [])
+    ]
+    assert streamed == content
+    status, _, answer = post(stack, "/v1/chat/completions", {**body, "logprobs": False, "top_logprobs": None})
+    assert status == 200 and answer["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices(stack: Stack, tokenizer, sentence_ids, stream: bool) -> None:
+    """``n = 3``: three choices, indexed, each a whole generation; usage counts the prompt once."""
+    prompt_ids = [1, 2, 3]
+    expected = tokenizer.decode(expected_ids(sentence_ids, prompt_ids, 8), skip_special_tokens=True)
+    body = {"prompt": prompt_ids, "max_tokens": 8, "n": 3, "stream": stream, "stream_options": {"include_usage": True}}
+    status, _, data = post(stack, "/v1/completions", body)
+    assert status == 200
+    if stream:
+        payloads = events(data)
+        assert payloads[-1] == "[DONE]"
+        usage, chunks = payloads[-2]["usage"], payloads[:-2]
+        texts, finishes = {}, {}
+        for chunk in chunks:
+            [choice] = chunk["choices"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+        assert texts == dict.fromkeys(range(3), expected) and finishes == dict.fromkeys(range(3), "length")
+    else:
+        usage = data["usage"]
+        assert [(c["index"], c["text"], c["finish_reason"]) for c in data["choices"]] == [
+            (index, expected, "length") for index in range(3)
+        ]
+        assert data["speculation"]["rounds"] >= 3
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 24, "total_tokens": 27}
+    assert wait_until(lambda: not stack.verifier.sequences and not stack.drafter.sequences)
 
 
 def test_overload_is_429_with_retry_after(tokenizer) -> None:

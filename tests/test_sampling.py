@@ -17,6 +17,15 @@ def test_temperature_zero_is_one_hot_argmax() -> None:
     assert logits_to_probs(LOGITS, SamplingParams(temperature=0)).tolist() == [0, 0, 0, 1]
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-30, 9e-6])
+def test_a_vanishing_temperature_is_greedy_not_nan(temperature: float) -> None:
+    """1e-45 used to give NaN probabilities (logits / T overflows), which made the verifier fail the request as
+    INTERNAL and the router take the verifier out of rotation."""
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy and logits_to_probs(LOGITS, params).tolist() == [0, 0, 0, 1]
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_temperature_sharpens() -> None:
     probs = logits_to_probs(LOGITS, SamplingParams(temperature=0.5))
     expected = torch.tensor([0.01, 0.04, 0.09, 0.16]) / 0.30

@@ -21,7 +21,7 @@ from router.requests import DraftShape
 from router.servicer import merge_chunks
 from router.workers import GrpcDrafter, Worker, call_failure
 from specdec.drafters.base import Proposal
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, TopLogprobs
 from specdec.tree import TokenTree
 from tests.test_drafter_service import config_for
 from tests.test_drafter_service import open_request as open_draft_request
@@ -137,14 +137,18 @@ def test_a_calls_error_maps_to_the_router_error_of_its_status() -> None:
 
 @pytest.mark.parametrize("logprobs", [False, True])
 def test_merged_chunks_carry_the_same_tokens_text_and_logprobs(logprobs: bool) -> None:
+    def top(token: int) -> tuple[TopLogprobs, ...]:
+        return (TopLogprobs((token, 0), (-0.1 * token, -3.0)),) if logprobs else ()
+
     chunks = [
-        Chunk((1, 2), "ab", (-0.1, -0.2) if logprobs else ()),
-        Chunk((3,), "", (-0.3,) if logprobs else ()),
-        Chunk((4,), "cd", (-0.4,) if logprobs else ()),
+        Chunk((1, 2), "ab", (-0.1, -0.2) if logprobs else (), top(1) + top(2)),
+        Chunk((3,), "", (-0.3,) if logprobs else (), top(3)),
+        Chunk((4,), "cd", (-0.4,) if logprobs else (), top(4)),
     ]
     merged = merge_chunks(chunks)
     assert merged.token_ids == (1, 2, 3, 4) and merged.text == "abcd"
     assert merged.logprobs == ((-0.1, -0.2, -0.3, -0.4) if logprobs else ())
+    assert merged.top_logprobs == top(1) + top(2) + top(3) + top(4)
     assert merge_chunks(chunks[:1]) is chunks[0]
 
 

@@ -108,6 +108,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         ignore_eos: bool,
         logprobs: bool,
         features: torch.dtype | None = None,
+        top_logprobs: int = 0,
     ) -> Future:
         """:meth:`BatchVerifier.open` on the scheduler thread; -> None. ``features``: the dtype the sequence's feature
         rows are handed over in (None: it takes none)."""
@@ -123,6 +124,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
                 ignore_eos=ignore_eos,
                 logprobs=logprobs,
                 features=features is not None,
+                top_logprobs=top_logprobs,
             )
             if features is not None:
                 self._feature_dtypes[sequence_id] = features

@@ -15,7 +15,13 @@ from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 from grpc_common.batch import Submitted, answer_batch
-from grpc_common.convert import feature_dtype_from_wire, features_to_wire, proposal_from_wire, sampling_from_wire
+from grpc_common.convert import (
+    feature_dtype_from_wire,
+    features_to_wire,
+    proposal_from_wire,
+    sampling_from_wire,
+    top_logprobs_to_wire,
+)
 from specdec.errors import InvalidArgumentError
 from specdec.verification import VerifyCall, VerifyOutcome
 from verifier_service.scheduler import SchedulerStatus, SchedulerStoppedError, VerifyScheduler
@@ -68,6 +74,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request.ignore_eos,
             request.logprobs,
             feature_dtype_from_wire(request.feature_dtype) if request.features else None,
+            request.top_logprobs,
         )
         return Submitted(future, lambda _: verifier_pb2.OpenVerifyReply())
 
@@ -112,7 +119,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def verdict_to_wire(outcome: VerifyOutcome) -> common_pb2.Verdict:
-    """The wire verdict of ``outcome`` (logprobs only when the sequence asked for them)."""
+    """The wire verdict of ``outcome`` (logprobs and their alternatives only when the sequence asked for them)."""
     verdict = outcome.verdict
     return common_pb2.Verdict(
         accepted_path=verdict.accepted_path,
@@ -120,4 +127,5 @@ def verdict_to_wire(outcome: VerifyOutcome) -> common_pb2.Verdict:
         finished=verdict.finished,
         bonus_deferred=outcome.bonus_deferred,
         logprobs=outcome.logprobs or [],
+        top_logprobs=[top_logprobs_to_wire(top) for top in outcome.top_logprobs or ()],
     )
