@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
-from grpc_common.convert import sampling_to_wire, tree_from_wire
+from grpc_common.convert import proposal_nodes, sampling_to_wire, tree_from_wire
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from router.batching import CallBatcher
 from router.config import RouterConfig
@@ -94,7 +94,8 @@ class WorkerClient:
     """A worker's client: its :class:`Worker` record and address, and the batcher its calls go through.
 
     ``batch_method`` is the stub's ``Batch`` and ``batch_request`` its request type (``calls=[...]``); a call is a
-    ``call_type`` (``DrafterCall`` / ``VerifierCall``) and its result the matching ``*Result``.
+    ``call_type`` (``DrafterCall`` / ``VerifierCall``) and its result the matching ``*Result``; ``weight`` is what
+    the worker bounds per Batch besides calls (a verifier's proposal nodes).
     """
 
     def __init__(
@@ -103,13 +104,14 @@ class WorkerClient:
         batch_method: Callable[..., Awaitable[Any]],
         batch_request: Callable[..., Any],
         call_type: Callable[..., Any],
+        weight: Callable[[Any], int] | None = None,
     ) -> None:
         self.worker = worker
         self.address = worker.address
         self._batch_method = batch_method
         self._batch_request = batch_request
         self._call_type = call_type
-        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, self._send)
+        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, self._send, weight=weight)
         self.open_sequences: set[str] = set()  # opened (or being opened) here and not yet closed: leases to renew
 
     async def _send(self, calls: list[Any]) -> Sequence[Any]:
@@ -222,7 +224,9 @@ class GrpcVerifier(WorkerClient):
 
     def __init__(self, worker: Worker) -> None:
         stub = verifier_pb2_grpc.VerifierStub(worker.channel)
-        super().__init__(worker, stub.Batch, verifier_pb2.VerifierBatchRequest, verifier_pb2.VerifierCall)
+        super().__init__(
+            worker, stub.Batch, verifier_pb2.VerifierBatchRequest, verifier_pb2.VerifierCall, _proposal_nodes
+        )
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         request = verifier_pb2.OpenVerifyRequest(
@@ -268,6 +272,11 @@ class GrpcVerifier(WorkerClient):
         self.open_sequences.discard(sequence_id)
         request = verifier_pb2.CloseVerifyRequest(sequence_id=sequence_id)
         await self._call("close", verifier_pb2.VerifierCall(close=request))
+
+
+def _proposal_nodes(call: verifier_pb2.VerifierCall) -> int:
+    """What a verifier's bound on the proposal nodes of a Batch counts of ``call``."""
+    return proposal_nodes(call.verify.proposal) if call.HasField("verify") else 0
 
 
 class WorkerPool:
