@@ -33,8 +33,9 @@ free of any metrics library.
 
 Failures (DESIGN §9): a drafter error or deadline drops that drafter for the rest of the request; the next round
 opens another healthy drafter of the same kind on the committed text (a drafter refused for the request's arguments
-or proposals is not replaced, and neither is one that drafts from target features: a new one would lack the rows of
-the text so far) and only with none left does the request go target-only (``drafter_fallback``; still exact). A
+or proposals is not replaced; one that drafts from target features gets them from a new verifier sequence, a
+re-prefill of the committed text, since the rows of the text so far went to the failed one) and only with none left
+does the request go target-only (``drafter_fallback``; still exact). A
 verifier that fails is reported to placement and the request is re-placed on another verifier with a re-prefill of
 prompt + output (the drafter is reopened on the same text); with no other verifier the error escapes and the client
 gets UNAVAILABLE. A call that times out is reported like any failure; placement decides whether a slow worker is a
@@ -397,7 +398,28 @@ class Session:
             LOG.warning("no other %s drafter for request %s; it continues target-only", kind, self._base_id)
             return
         LOG.info("request %s: drafter %s replaces a failed one", self._base_id, drafter.address)
+        if _takes_features(drafter) and not await self._reopen_verifier():
+            self.placement.release(drafter)
+            self.stats.drafter_fallback = True
+            return
         await self._open_drafter(drafter)
+
+    async def _reopen_verifier(self) -> bool:
+        """A new verifier sequence (a re-prefill of the committed text, under the next sequence id) that sends feature
+        rows from position 0, which a replacement drafter that drafts from them needs; the old one is closed once the
+        new one is open. False (the old one kept) when none opens."""
+        old, old_id = self.verifier, self.sequence_id
+        assert old is not None, "the verifier is opened before any round"
+        self._attempt += 1
+        try:
+            await self._open_verifier(features=True)
+        except (WorkerError, NoWorkerError) as error:
+            LOG.warning("request %s: no verifier sequence for a replacement drafter: %s", self._base_id, error)
+            self._attempt -= 1
+            self.verifier = old
+            return False
+        self._close_in_background(old, old_id)
+        return True
 
     async def _shutdown(self) -> None:
         """Let calls in flight finish (each has a deadline), then close the sequence on both workers."""
@@ -425,13 +447,13 @@ class Session:
     # --- the drafter side ---------------------------------------------------------------------------------
 
     def _note_drafter_failure(self, drafter: DrafterClient, error: WorkerError) -> None:
-        """The request leaves ``drafter``: replaced next round when it failed as a worker (not for refusing this
-        request's arguments or proposals) and drafts without target features; else target-only from now on."""
+        """The request leaves ``drafter``: replaced next round when it failed as a worker; one that refused this
+        request's arguments or proposals is not, and the request goes on target-only."""
         self._failed_drafters.add(drafter.address)
         rejected = isinstance(error, WorkerRejectedError)
         if not rejected:
             self.placement.report_failure(drafter, error)
-        if rejected or drafter.feature_width > 0:
+        if rejected:
             LOG.warning(
                 "drafter %s failed (%s); request %s continues target-only", drafter.address, error, self._base_id
             )

@@ -370,6 +370,34 @@ def test_a_failed_drafter_is_replaced_by_another_of_its_kind_on_the_committed_te
     assert_clean(placement)
 
 
+class OpenLoggingVerifier(FakeVerifier):
+    """Also logs the text and the features flag each sequence was opened with."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.opened_with: list[tuple[tuple[int, ...], bool]] = []
+
+    async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
+        self.opened_with.append((spec.prompt_ids, spec.features))
+        await super().open(sequence_id, spec, seed)
+
+
+def test_a_replacement_drafter_that_drafts_from_features_gets_a_fresh_verifier_sequence() -> None:
+    """The target's feature rows of the text so far went to the failed drafter: the verifier re-prefills the committed
+    text in a new sequence, which sends its rows from position 0, for the replacement."""
+    failing, spare = FakeDrafter("drafter-0", fail_on_call=4), OpenLoggingDrafter("drafter-1")
+    failing.feature_width = spare.feature_width = 16
+    verifier = OpenLoggingVerifier()
+    placement = FakePlacement([verifier], [failing, spare])
+    tokens, final, _ = run(make_plan("pipelined", max_tokens=30), placement)
+    assert tokens == reference(PROMPT, 30)[0]
+    assert not final.stats.drafter_fallback and verifier.opened == ["seq", "seq.1"]
+    (first, first_features), (again, again_features) = verifier.opened_with
+    assert first == PROMPT and first_features and again_features and spare.opened_on == [again]
+    assert len(again) > len(PROMPT) and list(again[len(PROMPT) :]) == tokens[: len(again) - len(PROMPT)]
+    assert_clean(placement)
+
+
 def test_a_refused_proposal_drops_the_drafter() -> None:
     verifier = FakeVerifier()
     verifier.reject_proposals = True
