@@ -221,9 +221,9 @@ class BatchScheduler(ABC, Generic[T]):
         while not self._reaper_stop.wait(self.idle_timeout_s / 4):
             self.submit("", self._reap)
 
-    def _reap(self) -> list[str]:
+    def _reap(self) -> None:
         """On the scheduler thread: reclaim every open sequence whose lease ran out and that nothing waits for
-        (queued jobs renewed it when submitted; a carried job is still being served); -> the reclaimed ids."""
+        (queued jobs renewed it when submitted; a carried job is still being served)."""
         assert self.idle_timeout_s is not None
         now = time.monotonic()
         open_ids = set(self._open_sequences())
@@ -246,7 +246,6 @@ class BatchScheduler(ABC, Generic[T]):
                 self._reclaim(sequence_id)
             except Exception:  # one sequence's failure must not keep the others leaked
                 LOG.exception("reclaiming sequence %r failed", sequence_id)
-        return expired
 
     def _fail_carried(self, sequence_id: str, error: Exception) -> None:
         """Deliver ``error`` to every carried job of ``sequence_id`` and stop carrying it."""
