@@ -35,12 +35,11 @@ Failures (DESIGN §9): a drafter error or deadline drops that drafter for the re
 opens another healthy drafter of the same kind on the committed text (a drafter refused for the request's arguments
 or proposals is not replaced; one that drafts from target features gets them from a new verifier sequence, a
 re-prefill of the committed text, since the rows of the text so far went to the failed one) and only with none left
-does the request go target-only (``drafter_fallback``; still exact). A
-verifier that fails is reported to placement and the request is re-placed on another verifier with a re-prefill of
-prompt + output (the drafter is reopened on the same text); with no other verifier the error escapes and the client
-gets UNAVAILABLE. A call that times out is reported like any failure; placement decides whether a slow worker is a
-dead one. Cancellation (client gone)
-waits for calls in flight, then closes the sequence on both workers, all within a round.
+does the request go target-only (``drafter_fallback``; still exact). A verifier that fails is reported to placement
+and the request is re-placed on another verifier with a re-prefill of prompt + output (the drafter is reopened on
+the same text); with no other verifier the error escapes and the client gets UNAVAILABLE. A call that times out is
+reported like any failure; placement decides whether a slow worker is a dead one. Cancellation (client gone) waits
+for calls in flight, then closes the sequence on both workers, all within a round.
 """
 
 from __future__ import annotations
@@ -379,9 +378,8 @@ class Session:
 
     async def _open_drafter(self, drafter: DrafterClient) -> None:
         """Open ``drafter`` on the committed text; a failure notes it (to be replaced next round, if it may be)."""
-        seed = derive_seed(self.plan.seed, f"drafter/{len(self._failed_drafters)}", self._attempt)
         try:
-            await drafter.open(self.sequence_id, self._spec(), seed)
+            await drafter.open(self.sequence_id, self._spec(), derive_seed(self.plan.seed, "drafter", self._attempt))
         except WorkerError as error:
             self._note_drafter_failure(drafter, error)
             self._close_in_background(drafter, self.sequence_id)
@@ -450,20 +448,18 @@ class Session:
         """The request leaves ``drafter``: replaced next round when it failed as a worker; one that refused this
         request's arguments or proposals is not, and the request goes on target-only."""
         self._failed_drafters.add(drafter.address)
-        rejected = isinstance(error, WorkerRejectedError)
-        if not rejected:
-            self.placement.report_failure(drafter, error)
-        if rejected:
+        if isinstance(error, WorkerRejectedError):
             LOG.warning(
-                "drafter %s failed (%s); request %s continues target-only", drafter.address, error, self._base_id
+                "drafter %s dropped (%s); request %s continues target-only", drafter.address, error, self._base_id
             )
             self.stats.drafter_fallback = True
             return
+        self.placement.report_failure(drafter, error)
         LOG.warning("drafter %s failed (%s); request %s will replace it", drafter.address, error, self._base_id)
         self._replace, self._replace_kind = True, self.plan.drafter_kind or drafter.kind
 
     def _drop_drafter(self, error: WorkerError) -> None:
-        """Continue target-only: forget the drafter (closed in the background) and anything it drafted."""
+        """Leave the drafter (closed in the background; replaced next round when it may be) and what it drafted."""
         drafter, self.drafter = self.drafter, None
         self._predrafted, self._pending_commit = None, None
         if drafter is not None:
