@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2, router_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specdec_wire.v1 import (
+    common_pb2,
+    drafter_pb2,
+    drafter_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import RunningDrafter, start_drafter
@@ -148,6 +156,18 @@ def workers(target: LoadedModel) -> Iterator[Workers]:
     yield Workers(verifier, drafter)
     verifier.stop(0)
     drafter.stop(0)
+
+
+def test_the_unary_touch_renews_a_lease(workers: Workers) -> None:
+    with grpc.insecure_channel(workers.verifier.address) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        request = verifier_pb2.OpenVerifyRequest(sequence_id="kept", prompt_ids=[1, 2], max_tokens=4)
+        stub.OpenSequence(request, timeout=TIMEOUT_S)
+        for _ in range(round(2 * IDLE_S / KEEPALIVE_S)):
+            stub.Touch(common_pb2.TouchRequest(sequence_ids=["kept", "unknown"]), timeout=TIMEOUT_S)
+            time.sleep(KEEPALIVE_S)
+        assert workers.open_sequences() == (1, 0)
+    wait_until(lambda: workers.open_sequences() == (0, 0), 2 * IDLE_S)
 
 
 def test_a_live_router_keeps_its_idle_sequences_and_a_gone_one_loses_them(workers: Workers) -> None:
