@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from grpc_common.convert import MAX_PROPOSAL_NODES
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
 from specdec.drafters import DRAFTER_KINDS, DraftConfig
@@ -31,7 +32,11 @@ class DrafterConfig:
     ``batch_wait_ms`` after the first for more (0: takes what is queued). ``max_open_sequences`` bounds
     state: beyond it OpenSequence answers RESOURCE_EXHAUSTED. ``metrics_port`` (None: no metrics server; 0: a
     free port) serves Prometheus series at ``http://host:metrics_port/metrics``. ``tls`` (``--tls-cert`` /
-    ``--tls-key`` / ``--tls-ca``, :mod:`grpc_common.tls`) makes the gRPC port mutual TLS.
+    ``--tls-key`` / ``--tls-ca``, :mod:`grpc_common.tls`) makes the gRPC port mutual TLS. ``sequence_idle_timeout_s``
+    (0: never) is the lease of an open sequence: one that no call (or Touch) has named for that long is closed, so a
+    router that died leaks nothing. Every message is bounded before anything is allocated: a sequence's shape at most
+    ``max_proposal_nodes`` nodes, its text (prompt + committed) at most ``max_seq_len`` tokens, a Batch at most
+    ``max_batch_calls`` calls.
     """
 
     kind: str
@@ -52,6 +57,10 @@ class DrafterConfig:
     torch_threads: int = 0
     grace_s: float = 5.0
     tls: TlsConfig = PLAINTEXT
+    sequence_idle_timeout_s: float = 120.0
+    max_proposal_nodes: int = MAX_PROPOSAL_NODES
+    max_batch_calls: int = 1024
+    max_seq_len: int = 32768
 
     def __post_init__(self) -> None:
         if self.kind not in SERVED_KINDS:
@@ -65,10 +74,17 @@ class DrafterConfig:
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError("port", f"must be in [0, 65536), got {self.port}")
         check_metrics_port(self.metrics_port)
-        for name in ("max_batch_size", "max_open_sequences", "max_workers"):
+        for name in (
+            "max_batch_size",
+            "max_open_sequences",
+            "max_workers",
+            "max_proposal_nodes",
+            "max_batch_calls",
+            "max_seq_len",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("batch_wait_ms", "torch_threads", "grace_s"):
+        for name in ("batch_wait_ms", "torch_threads", "grace_s", "sequence_idle_timeout_s"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
         self.draft_config()  # validates num_draft_tokens and draft_top_k
@@ -120,6 +136,10 @@ class DrafterConfig:
         option("dtype", str, "model precision", choices=DTYPES)
         option("torch_threads", int, "torch intra-op threads (0: torch's default)")
         option("grace_s", float, "seconds in-flight calls get to finish on SIGTERM")
+        option("sequence_idle_timeout_s", float, "seconds without a call before an open sequence is closed (0: never)")
+        option("max_proposal_nodes", int, "most nodes of a sequence's candidate shape")
+        option("max_batch_calls", int, "most calls in one Batch")
+        option("max_seq_len", int, "most tokens of a sequence's text (prompt + committed)")
         add_tls_arguments(parser, ENV_PREFIX, environ)
         values = vars(parser.parse_args(argv))
         tls = tls_from_args(values)

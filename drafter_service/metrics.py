@@ -28,3 +28,8 @@ class DrafterMetrics:
         self.proposals = Counter("specdec:drafter_proposals", "Propose calls answered.", registry=registry)
         self.draft_tokens = Counter("specdec:drafter_draft_tokens", "Tokens (tree nodes) proposed.", registry=registry)
         self.open_sequences = Gauge("specdec:drafter_open_sequences", "Open sequences.", registry=registry)
+        self.sequences_reclaimed = Counter(
+            "specdec:sequences_reclaimed",
+            "Open sequences closed because no call named them for the idle timeout (their router is gone).",
+            registry=registry,
+        )

@@ -57,7 +57,8 @@ class _Ready(NamedTuple):
 class DraftScheduler(BatchScheduler[_Propose]):
     """Serialises every call on ``drafter`` onto one thread and batches Propose calls.
 
-    ``metrics`` (default: a fresh, unserved set) receives the scheduler's series.
+    ``metrics`` (default: a fresh, unserved set) receives the scheduler's series. ``idle_timeout_s`` (None: never)
+    is a sequence's lease: one no call has named for that long is closed.
     """
 
     def __init__(
@@ -68,8 +69,11 @@ class DraftScheduler(BatchScheduler[_Propose]):
         batch_wait_s: float = 0.0,
         max_open_sequences: int = 4096,
         metrics: DrafterMetrics | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
-        super().__init__("drafter", max_batch_size=max_batch_size, batch_wait_s=batch_wait_s)
+        super().__init__(
+            "drafter", max_batch_size=max_batch_size, batch_wait_s=batch_wait_s, idle_timeout_s=idle_timeout_s
+        )
         self.drafter = drafter
         self.metrics = DrafterMetrics() if metrics is None else metrics
         self.max_open_sequences = max_open_sequences
@@ -155,6 +159,10 @@ class DraftScheduler(BatchScheduler[_Propose]):
         for handle in self._handles.values():
             self.drafter.close(handle)
         self._handles.clear()
+
+    def _reclaim(self, sequence_id: str) -> None:
+        self.drafter.close(self._handles.pop(sequence_id))
+        self.metrics.sequences_reclaimed.inc()
 
     def _run_batch(self, jobs: list[BatchJob[_Propose]]) -> None:
         """One ``drafter.propose`` for the jobs whose sequences are ready; a failing batch is retried job by job."""

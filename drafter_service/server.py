@@ -70,9 +70,17 @@ def start_drafter(
         batch_wait_s=config.batch_wait_ms / 1000,
         max_open_sequences=config.max_open_sequences,
         metrics=metrics,
+        idle_timeout_s=config.sequence_idle_timeout_s or None,
     )
     scheduler.start()
-    servicer = DrafterServicer(scheduler, config.kind, config.draft_config())
+    servicer = DrafterServicer(
+        scheduler,
+        config.kind,
+        config.draft_config(),
+        max_proposal_nodes=config.max_proposal_nodes,
+        max_batch_calls=config.max_batch_calls,
+        max_seq_len=config.max_seq_len,
+    )
     running = start_service(
         scheduler,
         config,

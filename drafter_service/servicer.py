@@ -3,7 +3,9 @@
 Domain errors raised below become status codes in :mod:`grpc_common.errors` (bad fields: INVALID_ARGUMENT,
 unknown sequence: NOT_FOUND, too many open sequences: RESOURCE_EXHAUSTED). ``Batch`` carries many calls in one
 message (:mod:`grpc_common.batch`). A Commit's target feature rows are decoded and checked here (width: the
-drafter's ``feature_width``) and given to the drafter before the commit, on the scheduler thread.
+drafter's ``feature_width``) and given to the drafter before the commit, on the scheduler thread. Every message is
+bounded before anything is allocated (INVALID_ARGUMENT naming the field): a Batch's calls, a shape's nodes, a
+sequence's text (the prompt, and what a Commit makes of it). ``Touch`` renews leases.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 from drafter_service.scheduler import DraftScheduler, SchedulerStatus
-from grpc_common.batch import Submitted, answer_batch
-from grpc_common.convert import features_from_wire, proposal_to_wire, sampling_from_wire
+from grpc_common.batch import Submitted, answer_batch, check_batch_size, touched
+from grpc_common.convert import MAX_PROPOSAL_NODES, features_from_wire, proposal_to_wire, sampling_from_wire
 from specdec.drafters import DraftConfig, Proposal
+from specdec.errors import InvalidArgumentError
 
 _SIBLING_SAMPLING = {
     common_pb2.SIBLING_SAMPLING_UNSPECIFIED: None,  # the drafter's default
@@ -26,21 +29,44 @@ _SIBLING_SAMPLING = {
 }
 
 
-def shape_from_wire(shape: drafter_pb2.DraftShape, default: DraftConfig) -> DraftConfig:
-    """A sequence's candidate shape: ``default`` where the message says 0 / unspecified (validated)."""
-    return default.with_shape(
-        shape.num_draft_tokens, shape.tree_width, shape.tree_budget, _SIBLING_SAMPLING.get(shape.sibling_sampling)
+def shape_from_wire(
+    shape: drafter_pb2.DraftShape, default: DraftConfig, max_nodes: int = MAX_PROPOSAL_NODES
+) -> DraftConfig:
+    """A sequence's candidate shape: ``default`` where the message says 0 / unspecified (validated: a known sibling
+    scheme, each size at most ``max_nodes``, and so the nodes of a round)."""
+    if shape.sibling_sampling not in _SIBLING_SAMPLING:
+        raise InvalidArgumentError("shape.sibling_sampling", f"unknown value {shape.sibling_sampling}")
+    for name in ("num_draft_tokens", "tree_width", "tree_budget"):
+        if getattr(shape, name) > max_nodes:
+            raise InvalidArgumentError(f"shape.{name}", f"must be <= {max_nodes}, got {getattr(shape, name)}")
+    config = default.with_shape(
+        shape.num_draft_tokens, shape.tree_width, shape.tree_budget, _SIBLING_SAMPLING[shape.sibling_sampling]
     )
+    if config.max_nodes > max_nodes:
+        raise InvalidArgumentError("shape", f"{config.max_nodes} nodes per round; at most {max_nodes}")
+    return config
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """``specdec.v1.Drafter`` over one :class:`DraftScheduler`."""
 
-    def __init__(self, scheduler: DraftScheduler, kind: str, default_shape: DraftConfig) -> None:
+    def __init__(
+        self,
+        scheduler: DraftScheduler,
+        kind: str,
+        default_shape: DraftConfig,
+        *,
+        max_proposal_nodes: int = MAX_PROPOSAL_NODES,
+        max_batch_calls: int = 1024,
+        max_seq_len: int = 32768,
+    ) -> None:
         self.scheduler = scheduler
         self.kind = kind
         self.default_shape = default_shape
         self.feature_width = scheduler.drafter.feature_width
+        self.max_proposal_nodes = max_proposal_nodes
+        self.max_batch_calls = max_batch_calls
+        self.max_seq_len = max_seq_len
 
     def OpenSequence(
         self, request: drafter_pb2.OpenDraftRequest, context: grpc.ServicerContext
@@ -60,13 +86,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     ) -> drafter_pb2.CloseDraftReply:
         return self._submit_close(request).answer(context)
 
+    def Touch(self, request: common_pb2.TouchRequest, context: grpc.ServicerContext) -> common_pb2.TouchReply:
+        return touched(self.scheduler, request).answer(context)
+
     def Batch(
         self, request: drafter_pb2.DrafterBatchRequest, context: grpc.ServicerContext
     ) -> drafter_pb2.DrafterBatchReply:
+        check_batch_size(request.calls, self.max_batch_calls)
         results = answer_batch(request.calls, self._submit, drafter_pb2.DrafterResult, context)
         return drafter_pb2.DrafterBatchReply(results=results)
 
     def _submit(self, kind: str, request: Message) -> Submitted:
+        if kind == "touch":
+            return touched(self.scheduler, request)
         submit = {
             "open": self._submit_open,
             "propose": self._submit_propose,
@@ -77,8 +109,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _submit_open(self, request: drafter_pb2.OpenDraftRequest) -> Submitted:
         started = time.perf_counter_ns()
+        if len(request.prompt_ids) > self.max_seq_len:
+            raise InvalidArgumentError(
+                "prompt_ids", f"{len(request.prompt_ids)} tokens; at most {self.max_seq_len} (--max-seq-len)"
+            )
         params = sampling_from_wire(request.sampling)
-        shape = shape_from_wire(request.shape, self.default_shape)
+        shape = shape_from_wire(request.shape, self.default_shape, self.max_proposal_nodes)
         future = self.scheduler.open(request.sequence_id, list(request.prompt_ids), params, request.seed, shape)
         return Submitted(future, lambda _: drafter_pb2.OpenDraftReply(open_ns=time.perf_counter_ns() - started))
 
@@ -87,6 +123,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return Submitted(future, _propose_reply)
 
     def _submit_commit(self, request: drafter_pb2.DraftCommitRequest) -> Submitted:
+        if not 0 <= request.base_length <= self.max_seq_len:
+            raise InvalidArgumentError("base_length", f"must be in [0, {self.max_seq_len}], got {request.base_length}")
+        if request.base_length + len(request.emitted) > self.max_seq_len:
+            raise InvalidArgumentError(
+                "emitted", f"{request.base_length} + {len(request.emitted)} tokens; at most {self.max_seq_len}"
+            )
         features = None
         if request.HasField("features"):
             features = features_from_wire(request.features, width=self.feature_width)

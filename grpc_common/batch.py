@@ -5,22 +5,24 @@ does (each ``grpc.aio`` call is ~100 µs of Python on the caller), so it sends w
 worker as one ``Batch``. A servicer turns each call into a job on its scheduler (:class:`Submitted`: the job's
 Future and how its result becomes the reply) in the order listed, which is the order the scheduler runs one
 sequence's jobs in, then waits for all of them. The unary RPCs use the same ``submit`` functions, so a call means
-the same thing either way.
+the same thing either way. A ``Batch`` holds at most ``max_calls`` calls (checked before any is decoded); over it the
+whole RPC answers INVALID_ARGUMENT naming ``calls``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2
 
 from grpc_common.errors import error_message, status_for
+from specdec.errors import InvalidArgumentError
 
 LOG = logging.getLogger(__name__)
 
@@ -45,6 +47,26 @@ class Submitted:
 
 
 Submit = Callable[[str, Message], Submitted]  # (the call's oneof field name, its request) -> the job
+
+
+class Leased(Protocol):
+    """A scheduler whose open sequences are leased (:class:`~grpc_common.scheduler.BatchScheduler`)."""
+
+    def touch(self, sequence_ids: Collection[str]) -> None: ...
+
+
+def touched(scheduler: Leased, request: common_pb2.TouchRequest) -> Submitted:
+    """A Touch call: the leases are renewed at once, no job is queued (a lease must not wait behind batches)."""
+    scheduler.touch(request.sequence_ids)
+    future: Future = Future()
+    future.set_result(None)
+    return Submitted(future, lambda _: common_pb2.TouchReply())
+
+
+def check_batch_size(calls: Sequence[Message], max_calls: int) -> None:
+    """Raise InvalidArgumentError naming ``calls`` when a Batch holds more than ``max_calls``."""
+    if len(calls) > max_calls:
+        raise InvalidArgumentError("calls", f"{len(calls)} calls in one Batch; at most {max_calls}")
 
 
 def call_error(code: grpc.StatusCode, message: str) -> common_pb2.CallError:

@@ -23,6 +23,8 @@ from specdec.sampling import SamplingParams, TopLogprobs
 from specdec.tree import TokenTree
 
 MAX_FEATURE_ROWS = 1 << 17  # positions in one FeatureRows: more than any context served here
+# nodes in one proposal, the workers' default bound: the router's largest tree (16 wide x 32 deep) fits
+MAX_PROPOSAL_NODES = 512
 
 _SCHEME_TO_WIRE = {
     "iid": common_pb2.SIBLING_SAMPLING_IID,
@@ -94,23 +96,61 @@ def proposal_to_wire(proposal: Proposal) -> common_pb2.Proposal:
     return message
 
 
-def proposal_from_wire(message: common_pb2.Proposal, vocab_size: int) -> Proposal:
-    """Decode into dense ``draft_probs`` [N, V] (exact zeros outside each row's support)."""
-    tree = tree_from_wire(message.tree)
-    scheme = _SCHEME_FROM_WIRE[message.sibling_sampling]
+def proposal_nodes(message: common_pb2.Proposal) -> int:
+    """The nodes of a proposal on the wire (what a Batch's node bound counts), without decoding it."""
+    return len(message.tree.tokens)
+
+
+def proposal_from_wire(
+    message: common_pb2.Proposal, vocab_size: int, *, max_nodes: int = MAX_PROPOSAL_NODES
+) -> Proposal:
+    """Decode into dense ``draft_probs`` [N, V] (exact zeros outside each row's support).
+
+    Checked before anything is allocated, each failure an InvalidArgumentError naming the field: at most ``max_nodes``
+    nodes, a parent per node, a known sibling scheme; at most one draft row per node, each of at most ``vocab_size``
+    distinct ids in [0, vocab_size) with one float32 probability each, and one existing row per node.
+    """
+    tree = message.tree
+    if len(tree.tokens) > max_nodes:
+        raise InvalidArgumentError("proposal.tree.tokens", f"{len(tree.tokens)} nodes; at most {max_nodes}")
+    if len(tree.parents) != len(tree.tokens):
+        raise InvalidArgumentError("proposal.tree.parents", "needs one parent per node")
+    scheme = _SCHEME_FROM_WIRE.get(message.sibling_sampling)
+    if scheme is None:
+        raise InvalidArgumentError("proposal.sibling_sampling", f"unknown value {message.sibling_sampling}")
+    try:
+        decoded = tree_from_wire(tree)
+    except ValueError as error:
+        raise InvalidArgumentError("proposal.tree", str(error)) from None
     if not message.HasField("draft"):
-        return Proposal(tree, None, scheme)
-    rows = torch.zeros(len(message.draft.rows), vocab_size, dtype=torch.float32)
-    for index, row in enumerate(message.draft.rows):
-        ids = torch.from_numpy(np.frombuffer(row.ids, dtype="<i4").astype(np.int64))
-        probs = torch.from_numpy(np.frombuffer(row.probs, dtype="<f4").copy())
-        if ids.numel() != probs.numel() or (ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size)):
-            raise ValueError(f"draft row {index}: ids and probs must match and lie in [0, {vocab_size})")
+        return Proposal(decoded, None, scheme)
+    draft = message.draft
+    if len(draft.rows) > max(len(decoded), 1):
+        raise InvalidArgumentError("proposal.draft.rows", f"{len(draft.rows)} rows for {len(decoded)} nodes")
+    if len(draft.node_rows) != len(decoded) or any(not 0 <= row < len(draft.rows) for row in draft.node_rows):
+        raise InvalidArgumentError("proposal.draft.node_rows", "must name one existing row per tree node")
+    sparse = [_sparse_from_wire(index, row, vocab_size) for index, row in enumerate(draft.rows)]
+    if not len(decoded):
+        return Proposal(decoded, None, scheme)
+    rows = torch.zeros(len(sparse), vocab_size, dtype=torch.float32)
+    for index, (ids, probs) in enumerate(sparse):
         rows[index, ids] = probs
-    node_rows = torch.tensor(list(message.draft.node_rows), dtype=torch.long)
-    if node_rows.numel() != len(tree) or (len(tree) and int(node_rows.max()) >= len(rows)):
-        raise ValueError("draft.node_rows must name one existing row per tree node")
-    return Proposal(tree, rows[node_rows] if len(tree) else None, scheme)
+    return Proposal(decoded, rows[torch.tensor(list(draft.node_rows), dtype=torch.long)], scheme)
+
+
+def _sparse_from_wire(index: int, row: common_pb2.SparseRow, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, probs)`` of one draft row, checked (sizes first, so nothing big is decoded from a bad row)."""
+    field = f"proposal.draft.rows[{index}]"
+    if len(row.ids) % 4 or len(row.probs) != len(row.ids):
+        raise InvalidArgumentError(field, "ids and probs must be packed 4-byte values, one probability per id")
+    if len(row.ids) // 4 > vocab_size:
+        raise InvalidArgumentError(field, f"{len(row.ids) // 4} ids; at most the vocabulary's {vocab_size}")
+    ids = np.frombuffer(row.ids, dtype="<i4").astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise InvalidArgumentError(field, f"ids must lie in [0, {vocab_size})")
+    if np.unique(ids).size != ids.size:
+        raise InvalidArgumentError(field, "ids must be distinct")
+    return torch.from_numpy(ids), torch.from_numpy(np.frombuffer(row.probs, dtype="<f4").copy())
 
 
 def _sparse_row(row: torch.Tensor) -> common_pb2.SparseRow:

@@ -23,6 +23,12 @@ takes every job queued when it is free and runs them as one pass:
   wait for it; a lone open sequence, or a batch holding every open sequence, is never delayed.
 - With ``idle_trim`` the thread, once it has waited that long for a job after some work, returns the heap memory
   the model's work freed to the OS (:mod:`grpc_common.memory`).
+- With ``idle_timeout_s`` every open sequence is *leased* to the router that opened it (DESIGN §9): a sequence no
+  job and no :meth:`BatchScheduler.touch` has named for that long, and that has nothing queued or carried, is
+  reclaimed (:meth:`BatchScheduler._reclaim`: the subclass closes it and frees its KV). A router that died leaves
+  its sequences behind, and nothing else would ever close them; a live router touches the sequences it keeps
+  waiting. A reaper thread submits the check as a plain job every quarter of the timeout, so it runs on the
+  scheduler thread between batches like any other job.
 - :meth:`BatchScheduler.stop` runs every job submitted before it and finishes the carried ones; later submissions
   fail with :class:`SchedulerStoppedError`.
 
@@ -31,6 +37,7 @@ Nothing here knows gRPC or a model: a subclass says what is batched, how a batch
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -43,6 +50,7 @@ from typing import Any, Generic, TypeVar
 from grpc_common.memory import IdleTrim
 from specdec.errors import CapacityError, SpecdecError
 
+LOG = logging.getLogger(__name__)
 T = TypeVar("T")  # the item of a batched job
 
 
@@ -85,7 +93,8 @@ class BatchScheduler(ABC, Generic[T]):
     """Serialises every job onto one thread named ``{name}-scheduler`` and batches the batched jobs.
 
     At most ``max_queued`` batched jobs (None: no bound) wait at once; beyond that :meth:`submit_batched` raises
-    CapacityError. Call :meth:`start` once, :meth:`stop` when done.
+    CapacityError. ``idle_timeout_s`` (None: never) is the lease of an open sequence. Call :meth:`start` once,
+    :meth:`stop` when done.
     """
 
     def __init__(
@@ -97,17 +106,24 @@ class BatchScheduler(ABC, Generic[T]):
         max_queued: int | None = None,
         budget: Budget[T] | None = None,
         idle_trim: IdleTrim | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
+        if idle_timeout_s is not None and not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0 or None, got {idle_timeout_s}")
         self.name = name
+        self.idle_timeout_s = idle_timeout_s
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_queued = max_queued
         self.budget = budget
         self._idle_trim = idle_trim
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _queued and _stopped: no job is queued after _STOP
+        self._lock = threading.Lock()  # guards _queued, _stopped and _named: no job is queued after _STOP
         self._queued = 0  # batched jobs submitted and not yet taken
         self._stopped = False
+        self._named: dict[str, float] = {}  # sequence -> when a job or touch last named it (leases only); the lock
+        self._reaper_stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name=f"{name}-reaper", daemon=True)
         # scheduler thread only: batched jobs taken but not answered, in arrival order; and, during a pass, the
         # sequences whose first carried job makes progress on its own, in arrival order
         self._carried: list[BatchJob[T]] = []
@@ -116,6 +132,8 @@ class BatchScheduler(ABC, Generic[T]):
 
     def start(self) -> None:
         self._thread.start()
+        if self.idle_timeout_s is not None:
+            self._reaper.start()
 
     def stop(self) -> None:
         """Run every job submitted before, fail later ones (SchedulerStoppedError), then :meth:`_on_stop`."""
@@ -124,6 +142,9 @@ class BatchScheduler(ABC, Generic[T]):
                 return
             self._stopped = True
             self._queue.put(_STOP)  # the last item
+        self._reaper_stop.set()
+        if self._reaper.is_alive():
+            self._reaper.join()
         self._thread.join()
         self._on_stop()
 
@@ -137,10 +158,16 @@ class BatchScheduler(ABC, Generic[T]):
         """Queue ``item`` for a batch; -> what :meth:`_run_batch` sets."""
         return self._put(BatchJob(sequence_id, item, Future()))
 
+    def touch(self, sequence_ids: Collection[str]) -> None:
+        """Renew the leases of ``sequence_ids`` (ids not open are ignored)."""
+        self._renew(sequence_ids)
+
     def _put(self, job: Job | BatchJob[T]) -> Future:
         """Queue ``job``; once stopping, its Future fails at once with SchedulerStoppedError."""
         with self._lock:
             if not self._stopped:
+                if self.idle_timeout_s is not None and job.sequence_id:
+                    self._named[job.sequence_id] = time.monotonic()
                 if isinstance(job, BatchJob):
                     if self.max_queued is not None and self._queued >= self.max_queued:
                         raise CapacityError(
@@ -174,6 +201,51 @@ class BatchScheduler(ABC, Generic[T]):
 
     def _waiting(self, queued: int) -> None:
         """``queued`` batched jobs now wait (called under the submit lock)."""
+
+    def _reclaim(self, sequence_id: str) -> None:
+        """Close the open ``sequence_id``, whose lease ran out, and free its state (with ``idle_timeout_s``)."""
+        raise NotImplementedError(f"the {self.name} scheduler has no leases")
+
+    # --- leases -----------------------------------------------------------------------------------------------------
+
+    def _renew(self, sequence_ids: Collection[str]) -> None:
+        if self.idle_timeout_s is not None and sequence_ids:
+            now = time.monotonic()
+            with self._lock:
+                for sequence_id in sequence_ids:
+                    self._named[sequence_id] = now
+
+    def _reap_loop(self) -> None:
+        """Every quarter of the lease, queue a check of every lease; a sequence is reclaimed within 1.25 leases."""
+        assert self.idle_timeout_s is not None
+        while not self._reaper_stop.wait(self.idle_timeout_s / 4):
+            self.submit("", self._reap)
+
+    def _reap(self) -> None:
+        """On the scheduler thread: reclaim every open sequence whose lease ran out and that nothing waits for
+        (queued jobs renewed it when submitted; a carried job is still being served)."""
+        assert self.idle_timeout_s is not None
+        now = time.monotonic()
+        open_ids = set(self._open_sequences())
+        busy = {job.sequence_id for job in self._carried}
+        with self._lock:
+            for sequence_id in [name for name in self._named if name not in open_ids]:
+                del self._named[sequence_id]  # closed since; an id touched but never opened
+            expired = [
+                sequence_id
+                for sequence_id in open_ids
+                if sequence_id not in busy and now - self._named.get(sequence_id, now) >= self.idle_timeout_s
+            ]
+            for sequence_id in expired:
+                del self._named[sequence_id]
+            for sequence_id in open_ids.difference(self._named):  # opened without a lease entry: starts now
+                self._named[sequence_id] = now
+        for sequence_id in expired:
+            LOG.warning("reclaiming sequence %r: no call for %.1f s", sequence_id, self.idle_timeout_s)
+            try:
+                self._reclaim(sequence_id)
+            except Exception:  # one sequence's failure must not keep the others leaked
+                LOG.exception("reclaiming sequence %r failed", sequence_id)
 
     def _fail_carried(self, sequence_id: str, error: Exception) -> None:
         """Deliver ``error`` to every carried job of ``sequence_id`` and stop carrying it."""
@@ -235,6 +307,8 @@ class BatchScheduler(ABC, Generic[T]):
             with self._lock:
                 self._queued -= taken
                 self._waiting(self._queued)
+        served = [job.sequence_id for job in [*self._carried, *jobs] if job.sequence_id]
+        self._renew(served)  # what is served now is not idle, however long it waited in the queue
         carried, self._carried, self._carrying = self._carried, [], []
         batch: list[BatchJob[T]] = []
         cost = 0
@@ -267,6 +341,7 @@ class BatchScheduler(ABC, Generic[T]):
                 batch, cost = [job], job_cost
         if batch or self._carrying:
             self._flush(batch)
+        self._renew(served)  # nor is it idle when the pass ends, however long the pass took
 
     def _carry(self, job: BatchJob[T], budget: Budget[T]) -> bool:
         """Carry ``job`` over if ``budget`` says it can make progress; False: it cannot (and was left alone)."""

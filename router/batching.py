@@ -5,7 +5,10 @@ Every session's round makes its calls (Propose, Verify, Commit, ...) as its own 
 caps it near a thousand rounds a second. A :class:`CallBatcher` queues the calls made to one worker and, once
 the loop has run every callback ready in this tick (``call_soon``), sends them as one ``Batch``; each caller gets
 its own result back. A session's calls to one worker keep their order: a later call is queued after, and a
-batch lists its calls in queue order, which the worker keeps per sequence.
+batch lists its calls in queue order, which the worker keeps per sequence. A batch also stays within the worker's
+bounds on one message: at most ``max_calls`` calls and, with a ``weight`` (a verifier's proposal nodes), at most
+``max_weight`` of it (a call heavier than that alone goes alone), since a worker refuses a Batch over its bound as a
+whole.
 """
 
 from __future__ import annotations
@@ -20,21 +23,33 @@ CallT = TypeVar("CallT")
 ResultT = TypeVar("ResultT")
 
 MAX_CALLS_PER_BATCH = 512  # bounds one message (a proposal with q rows is ~100 B - 2 kB)
+MAX_NODES_PER_BATCH = 4096  # half a verifier's default --max-batch-nodes
 
 Send = Callable[[list[CallT]], Awaitable[Sequence[ResultT]]]
 
 
 class CallBatcher(Generic[CallT, ResultT]):
-    """Gathers the calls to one worker made in one loop tick into ``send`` calls of at most ``max_calls`` each.
+    """Gathers the calls to one worker made in one loop tick into ``send`` calls of at most ``max_calls`` each (and at
+    most ``max_weight`` of ``weight(call)``, when given).
 
     ``send(calls)`` makes the RPC and returns one result per call, in order, or raises a WorkerError that then
     fails every call of that batch. Create and use on the event loop that runs the sessions.
     """
 
-    def __init__(self, address: str, send: Send[CallT, ResultT], max_calls: int = MAX_CALLS_PER_BATCH) -> None:
+    def __init__(
+        self,
+        address: str,
+        send: Send[CallT, ResultT],
+        max_calls: int = MAX_CALLS_PER_BATCH,
+        *,
+        weight: Callable[[CallT], int] | None = None,
+        max_weight: int = MAX_NODES_PER_BATCH,
+    ) -> None:
         self.address = address
         self._send = send
         self.max_calls = max_calls
+        self._weight = weight
+        self.max_weight = max_weight
         self._queued: list[tuple[CallT, asyncio.Future[ResultT]]] = []
         self._flush_scheduled = False
         self._sending: set[asyncio.Task[Any]] = set()
@@ -54,10 +69,22 @@ class CallBatcher(Generic[CallT, ResultT]):
     def _flush(self) -> None:
         self._flush_scheduled = False
         queued, self._queued = self._queued, []
-        for start in range(0, len(queued), self.max_calls):
-            task = asyncio.ensure_future(self._send_batch(queued[start : start + self.max_calls]))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+        batch: list[tuple[CallT, asyncio.Future[ResultT]]] = []
+        total = 0
+        for entry in queued:
+            weight = 0 if self._weight is None else self._weight(entry[0])
+            if batch and (len(batch) == self.max_calls or total + weight > self.max_weight):
+                self._start(batch)
+                batch, total = [], 0
+            batch.append(entry)
+            total += weight
+        if batch:
+            self._start(batch)
+
+    def _start(self, batch: list[tuple[CallT, asyncio.Future[ResultT]]]) -> None:
+        task = asyncio.ensure_future(self._send_batch(batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _send_batch(self, batch: list[tuple[CallT, asyncio.Future[ResultT]]]) -> None:
         self.batches += 1

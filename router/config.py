@@ -36,7 +36,9 @@ class RouterConfig:
     order; beyond both a request is refused (RESOURCE_EXHAUSTED / HTTP 429). With ``tls`` enabled the channels to
     workers are mutual TLS and the public gRPC and HTTP ports serve TLS with the same certificate; they also require
     a client certificate from the CA unless ``tls_public_client_auth`` is off (then clients need only trust the
-    CA, and the bearer token is what authenticates them).
+    CA, and the bearer token is what authenticates them). Every ``sequence_keepalive_s`` the router renews the
+    leases of the sequences it holds open on each worker (one Touch per worker); keep it well below the workers'
+    ``--sequence-idle-timeout-s`` (default 120 s), after which a worker reclaims a sequence nobody named.
     """
 
     model: str
@@ -57,6 +59,7 @@ class RouterConfig:
     verifier_deadline_s: float = 30.0
     health_interval_s: float = 2.0
     health_timeouts_to_eject: int = 3
+    sequence_keepalive_s: float = 20.0
     default_max_tokens: int = 256
     max_model_len: int = 0
     eos_token_ids: tuple[int, ...] = ()
@@ -88,7 +91,13 @@ class RouterConfig:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.num_draft_tokens > self.max_draft_tokens:
             raise InvalidArgumentError("num_draft_tokens", f"must be <= max_draft_tokens ({self.max_draft_tokens})")
-        for name in ("retry_after_s", "drafter_deadline_s", "verifier_deadline_s", "health_interval_s"):
+        for name in (
+            "retry_after_s",
+            "drafter_deadline_s",
+            "verifier_deadline_s",
+            "health_interval_s",
+            "sequence_keepalive_s",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise InvalidArgumentError(name, f"must be a positive number of seconds, got {value}")
@@ -137,6 +146,7 @@ class RouterConfig:
             verifier_deadline_s=args.verifier_deadline_s,
             health_interval_s=args.health_interval_s,
             health_timeouts_to_eject=args.health_timeouts_to_eject,
+            sequence_keepalive_s=args.sequence_keepalive_s,
             default_max_tokens=args.default_max_tokens,
             max_model_len=args.max_model_len,
             eos_token_ids=tuple(int(token) for token in listed["eos_token_id"]),
@@ -211,7 +221,14 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--health-timeouts-to-eject",
         type=int,
         default=env("health_timeouts_to_eject"),
-        help="consecutive timed-out health checks that mark a worker unhealthy (default 3)",
+        help="consecutive timed-out calls and health checks that mark a worker unhealthy (default 3)",
+    )
+    parser.add_argument(
+        "--sequence-keepalive-s",
+        type=float,
+        default=env("sequence_keepalive_s"),
+        help="how often the leases of open worker sequences are renewed (default 20; keep it well below the "
+        "workers' --sequence-idle-timeout-s)",
     )
     parser.add_argument("--default-max-tokens", type=int, default=env("default_max_tokens"), help="for chat requests")
     parser.add_argument(

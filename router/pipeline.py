@@ -37,11 +37,15 @@ the costs (forward by positions, draft per level, the rest).
 Monitoring hears the loop through an optional :class:`RoundObserver` (the router's metrics), so this module stays
 free of any metrics library.
 
-Failures (DESIGN §9): any drafter error or deadline drops the drafter for the rest of the request
-(``drafter_fallback``; target-only rounds, still exact). A verifier that fails is reported to placement and the
-request is re-placed on another verifier with a re-prefill of prompt + output (the drafter is reopened on the
-same text); with no other verifier the error escapes and the client gets UNAVAILABLE. Cancellation (client gone)
-waits for calls in flight, then closes the sequence on both workers, all within a round.
+Failures (DESIGN §9): a drafter error or deadline drops that drafter for the rest of the request; the next round
+opens another healthy drafter of the same kind on the committed text (a drafter refused for the request's arguments
+or proposals is not replaced; one that drafts from target features gets them from a new verifier sequence, a
+re-prefill of the committed text, since the rows of the text so far went to the failed one) and only with none left
+does the request go target-only (``drafter_fallback``; still exact). A verifier that fails is reported to placement
+and the request is re-placed on another verifier with a re-prefill of prompt + output (the drafter is reopened on
+the same text); with no other verifier the error escapes and the client gets UNAVAILABLE. A call that times out is
+reported like any failure; placement decides whether a slow worker is a dead one. Cancellation (client gone) waits
+for calls in flight, then closes the sequence on both workers, all within a round.
 """
 
 from __future__ import annotations
@@ -155,6 +159,7 @@ class DrafterClient(Protocol):
 
     address: str
     feature_width: int
+    kind: str | None  # ngram, model, early-exit or eagle (None: not known)
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None: ...
 
@@ -305,6 +310,9 @@ class Session:
         self._base_id = sequence_id
         self._attempt = 0
         self._failed_verifiers: set[str] = set()
+        self._failed_drafters: set[str] = set()
+        self._replace = False  # a failed drafter is to be replaced next round, by one of ``_replace_kind``
+        self._replace_kind: str | None = None
         self._predrafted: Drafted | None = None  # chain k+1 after a pipeline hit, verified next round
         self._pending_commit: Commit | None = None  # the last verdict, not yet told to the drafter
         self._verifier_features = False  # the verifier sequence sends feature rows
@@ -390,12 +398,13 @@ class Session:
         """A drafter for the request (None when speculation is off, or none is free: then it goes target-only)."""
         if self.plan.mode == "off":
             return None
-        drafter = self.placement.acquire_drafter(self.plan.drafter_kind, ())
+        drafter = self.placement.acquire_drafter(self.plan.drafter_kind, self._failed_drafters)
         if drafter is None:
             self.stats.drafter_fallback = True
         return drafter
 
     async def _open_drafter(self, drafter: DrafterClient) -> None:
+        """Open ``drafter`` on the committed text; a failure notes it (to be replaced next round, if it may be)."""
         try:
             await drafter.open(self.sequence_id, self._spec(), derive_seed(self.plan.seed, "drafter", self._attempt))
         except WorkerError as error:
@@ -403,6 +412,39 @@ class Session:
             self._close_in_background(drafter, self.sequence_id)
             return
         self.drafter = drafter
+
+    async def _replace_drafter(self) -> None:
+        """Open another healthy drafter of the failed one's kind (none this request has seen fail) on the committed
+        text; with none, the request goes on target-only."""
+        kind, self._replace = self._replace_kind, False
+        drafter = self.placement.acquire_drafter(kind, self._failed_drafters)
+        if drafter is None:
+            self.stats.drafter_fallback = True
+            LOG.warning("no other %s drafter for request %s; it continues target-only", kind, self._base_id)
+            return
+        LOG.info("request %s: drafter %s replaces a failed one", self._base_id, drafter.address)
+        if _takes_features(drafter) and not await self._reopen_verifier():
+            self.placement.release(drafter)
+            self.stats.drafter_fallback = True
+            return
+        await self._open_drafter(drafter)
+
+    async def _reopen_verifier(self) -> bool:
+        """A new verifier sequence (a re-prefill of the committed text, under the next sequence id) that sends feature
+        rows from position 0, which a replacement drafter that drafts from them needs; the old one is closed once the
+        new one is open. False (the old one kept) when none opens."""
+        old, old_id = self.verifier, self.sequence_id
+        assert old is not None, "the verifier is opened before any round"
+        self._attempt += 1
+        try:
+            await self._open_verifier(features=True)
+        except (WorkerError, NoWorkerError) as error:
+            LOG.warning("request %s: no verifier sequence for a replacement drafter: %s", self._base_id, error)
+            self._attempt -= 1
+            self.verifier = old
+            return False
+        self._close_in_background(old, old_id)
+        return True
 
     async def _shutdown(self) -> None:
         """Let calls in flight finish (each has a deadline), then close the sequence on both workers."""
@@ -430,13 +472,21 @@ class Session:
     # --- the drafter side ---------------------------------------------------------------------------------
 
     def _note_drafter_failure(self, drafter: DrafterClient, error: WorkerError) -> None:
-        LOG.warning("drafter %s failed (%s); request %s continues target-only", drafter.address, error, self._base_id)
-        self.stats.drafter_fallback = True
-        if not isinstance(error, WorkerRejectedError):
-            self.placement.report_failure(drafter, error)
+        """The request leaves ``drafter``: replaced next round when it failed as a worker; one that refused this
+        request's arguments or proposals is not, and the request goes on target-only."""
+        self._failed_drafters.add(drafter.address)
+        if isinstance(error, WorkerRejectedError):
+            LOG.warning(
+                "drafter %s dropped (%s); request %s continues target-only", drafter.address, error, self._base_id
+            )
+            self.stats.drafter_fallback = True
+            return
+        self.placement.report_failure(drafter, error)
+        LOG.warning("drafter %s failed (%s); request %s will replace it", drafter.address, error, self._base_id)
+        self._replace, self._replace_kind = True, self.plan.drafter_kind or drafter.kind
 
     def _drop_drafter(self, error: WorkerError) -> None:
-        """Continue target-only: forget the drafter (closed in the background) and anything it drafted."""
+        """Leave the drafter (closed in the background; replaced next round when it may be) and what it drafted."""
         drafter, self.drafter = self.drafter, None
         self._predrafted, self._pending_commit = None, None
         if drafter is not None:
@@ -516,6 +566,8 @@ class Session:
     # --- rounds -------------------------------------------------------------------------------------------
 
     async def _round(self) -> None:
+        if self.drafter is None and self._replace:
+            await self._replace_drafter()
         started = time.perf_counter_ns()
         base_length = len(self.plan.prompt_ids) + len(self.generated)
         fresh = self._predrafted is None  # else the proposal was drafted while the previous round verified

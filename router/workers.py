@@ -6,7 +6,14 @@ Each worker has one channel; the calls of every session go in one ``Batch`` RPC 
 module. The pool chooses the healthy worker with the least outstanding sequences (ties: the one chosen least
 often), learns each drafter's kind and feature width from its ``Status`` and checks ``grpc.health.v1`` every
 ``health_interval_s``; a worker that fails a call, answers a check NOT_SERVING or cannot be reached is skipped
-until a check passes again, one whose checks time out only after ``health_timeouts_to_eject`` in a row.
+until a check passes again. A slow worker is not a dead one: one whose calls or checks time out is skipped only
+after ``health_timeouts_to_eject`` in a row (calls and checks count together; any answer in time resets the count),
+so one late answer under overload does not take the only verifier out of rotation.
+
+Worker sequences are leased (DESIGN §9): a worker closes a sequence no call has named for its idle timeout. Each
+client knows the sequences the router holds open on its worker, and every ``sequence_keepalive_s`` the pool sends
+each worker one Touch naming them all, so a sequence kept waiting (a slow client, a slow verifier) is never
+reclaimed while this router lives.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
-from grpc_common.convert import sampling_to_wire, top_logprobs_from_wire, tree_from_wire
+from grpc_common.convert import proposal_nodes, sampling_to_wire, top_logprobs_from_wire, tree_from_wire
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from grpc_common.tls import aio_channel
 from router.batching import CallBatcher
@@ -71,31 +78,42 @@ class Worker:
     chosen: int = 0
     kind: str | None = None  # drafters: ngram, model, early-exit or eagle, once known
     feature_width: int = 0  # drafters: width of the target feature rows it drafts from (0: none), once known
-    health_timeouts: int = 0  # consecutive health checks that timed out
+    timeouts: int = 0  # consecutive calls and health checks that timed out
 
     async def call(self, method: Callable[..., Awaitable[T]], request: object, deadline_s: float | None = None) -> T:
-        """``method(request)`` with the deadline; a failure becomes a WorkerError."""
+        """``method(request)`` with the deadline; a failure becomes a WorkerError. Counts consecutive timeouts."""
         try:
-            return await method(request, timeout=deadline_s or self.deadline_s)
+            reply = await method(request, timeout=deadline_s or self.deadline_s)
         except grpc.aio.AioRpcError as error:
+            self.timeouts = self.timeouts + 1 if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 0
             raise worker_error(self.address, error.code(), error.details() or "") from None
+        self.timeouts = 0
+        return reply
 
 
 class WorkerClient:
     """A worker's client: its :class:`Worker` record and address, and the batcher its calls go through.
 
     ``batch_method`` is the stub's ``Batch`` and ``batch_request`` its request type (``calls=[...]``); a call is a
-    ``DrafterCall`` / ``VerifierCall`` and its result the matching ``*Result``.
+    ``call_type`` (``DrafterCall`` / ``VerifierCall``) and its result the matching ``*Result``; ``weight`` is what
+    the worker bounds per Batch besides calls (a verifier's proposal nodes).
     """
 
     def __init__(
-        self, worker: Worker, batch_method: Callable[..., Awaitable[Any]], batch_request: Callable[..., Any]
+        self,
+        worker: Worker,
+        batch_method: Callable[..., Awaitable[Any]],
+        batch_request: Callable[..., Any],
+        call_type: Callable[..., Any],
+        weight: Callable[[Any], int] | None = None,
     ) -> None:
         self.worker = worker
         self.address = worker.address
         self._batch_method = batch_method
         self._batch_request = batch_request
-        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, self._send)
+        self._call_type = call_type
+        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, self._send, weight=weight)
+        self.open_sequences: set[str] = set()  # opened (or being opened) here and not yet closed: leases to renew
 
     async def _send(self, calls: list[Any]) -> Sequence[Any]:
         reply = await self.worker.call(self._batch_method, self._batch_request(calls=calls))
@@ -110,6 +128,12 @@ class WorkerClient:
             raise call_failure(self.address, result.error)
         return getattr(result, kind)
 
+    async def touch(self) -> None:
+        """Renew the leases of every sequence this router holds open on the worker (one call, in this tick's Batch)."""
+        if self.open_sequences:
+            touch = common_pb2.TouchRequest(sequence_ids=sorted(self.open_sequences))
+            await self._call("touch", self._call_type(touch=touch))
+
 
 C = TypeVar("C", bound=WorkerClient)
 
@@ -119,11 +143,15 @@ class GrpcDrafter(WorkerClient):
 
     def __init__(self, worker: Worker) -> None:
         stub = drafter_pb2_grpc.DrafterStub(worker.channel)
-        super().__init__(worker, stub.Batch, drafter_pb2.DrafterBatchRequest)
+        super().__init__(worker, stub.Batch, drafter_pb2.DrafterBatchRequest, drafter_pb2.DrafterCall)
 
     @property
     def feature_width(self) -> int:
         return self.worker.feature_width
+
+    @property
+    def kind(self) -> str | None:
+        return self.worker.kind
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         shape = drafter_pb2.DraftShape(
@@ -138,6 +166,7 @@ class GrpcDrafter(WorkerClient):
             seed=seed,
             shape=shape,
         )
+        self.open_sequences.add(sequence_id)
         await self._call("open", drafter_pb2.DrafterCall(open=request))
 
     async def propose(
@@ -175,6 +204,7 @@ class GrpcDrafter(WorkerClient):
         await self._call("commit", _commit_call(sequence_id, base_length, emitted, features))
 
     async def close(self, sequence_id: str) -> None:
+        self.open_sequences.discard(sequence_id)
         request = drafter_pb2.CloseDraftRequest(sequence_id=sequence_id)
         await self._call("close", drafter_pb2.DrafterCall(close=request))
 
@@ -195,7 +225,9 @@ class GrpcVerifier(WorkerClient):
 
     def __init__(self, worker: Worker) -> None:
         stub = verifier_pb2_grpc.VerifierStub(worker.channel)
-        super().__init__(worker, stub.Batch, verifier_pb2.VerifierBatchRequest)
+        super().__init__(
+            worker, stub.Batch, verifier_pb2.VerifierBatchRequest, verifier_pb2.VerifierCall, _proposal_nodes
+        )
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         request = verifier_pb2.OpenVerifyRequest(
@@ -210,6 +242,7 @@ class GrpcVerifier(WorkerClient):
             feature_dtype=FEATURE_DTYPE,
             top_logprobs=spec.top_logprobs,
         )
+        self.open_sequences.add(sequence_id)
         await self._call("open", verifier_pb2.VerifierCall(open=request))
 
     async def verify(
@@ -241,8 +274,14 @@ class GrpcVerifier(WorkerClient):
         )
 
     async def close(self, sequence_id: str) -> None:
+        self.open_sequences.discard(sequence_id)
         request = verifier_pb2.CloseVerifyRequest(sequence_id=sequence_id)
         await self._call("close", verifier_pb2.VerifierCall(close=request))
+
+
+def _proposal_nodes(call: verifier_pb2.VerifierCall) -> int:
+    """What a verifier's bound on the proposal nodes of a Batch counts of ``call``."""
+    return proposal_nodes(call.verify.proposal) if call.HasField("verify") else 0
 
 
 class WorkerPool:
@@ -256,6 +295,7 @@ class WorkerPool:
         self.drafters = drafters
         self.verifiers = verifiers
         self._health_task: asyncio.Task[None] | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
 
     @classmethod
     async def start(cls, config: RouterConfig) -> WorkerPool:
@@ -278,12 +318,15 @@ class WorkerPool:
         )
         await pool.check_health()
         pool._health_task = asyncio.ensure_future(pool._health_loop())
+        pool._keepalive_task = asyncio.ensure_future(pool._keepalive_loop())
         return pool
 
     async def stop_health_checks(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
+        """Stop the background checks and lease renewals."""
+        tasks = [task for task in (self._health_task, self._keepalive_task) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def close(self) -> None:
         """Stop health checks and close every channel."""
@@ -322,10 +365,18 @@ class WorkerPool:
         worker.worker.outstanding -= 1
 
     def report_failure(self, worker: DrafterClient | VerifierClient, error: WorkerError) -> None:
+        """Take ``worker`` out of rotation for an unavailable answer; for a timeout only once its calls and checks
+        have timed out ``health_timeouts_to_eject`` times in a row."""
         assert isinstance(worker, WorkerClient)
-        if isinstance(error, WorkerUnavailableError) and worker.worker.healthy:
-            LOG.warning("%s %s marked unhealthy: %s", worker.worker.role, worker.address, error)
-            worker.worker.healthy = False
+        record = worker.worker
+        if not isinstance(error, WorkerUnavailableError) or not record.healthy:
+            return
+        timed_out = error.code == grpc.StatusCode.DEADLINE_EXCEEDED.name
+        if timed_out and record.timeouts < self.config.health_timeouts_to_eject:
+            LOG.info("%s %s is slow (%d timeouts in a row): %s", record.role, worker.address, record.timeouts, error)
+            return
+        LOG.warning("%s %s marked unhealthy: %s", record.role, worker.address, error)
+        record.healthy = False
 
     def drafter_kinds(self) -> frozenset[str]:
         """Kinds the drafters serve; empty while some drafter's kind is unknown (it has never answered)."""
@@ -364,9 +415,8 @@ class WorkerPool:
             timed_out = False
         # A check that times out may only mean this router's event loop or the worker is busy: under load one
         # late answer must not take a healthy worker out of rotation. NOT_SERVING and refused connections
-        # (a draining or dead worker) count at once.
-        worker.health_timeouts = worker.health_timeouts + 1 if timed_out else 0
-        if timed_out and worker.health_timeouts < self.config.health_timeouts_to_eject:
+        # (a draining or dead worker) count at once. ``worker.call`` counted the timeout with the calls'.
+        if timed_out and worker.timeouts < self.config.health_timeouts_to_eject:
             return
         if serving != worker.healthy:
             LOG.info("%s %s is %s", worker.role, worker.address, "healthy" if serving else "unhealthy")
@@ -376,3 +426,17 @@ class WorkerPool:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             await self.check_health()
+
+    async def renew_leases(self) -> None:
+        """One Touch per worker naming every sequence this router holds open there; a failure waits for the next."""
+        results = await asyncio.gather(*(client.touch() for client in self._clients()), return_exceptions=True)
+        for client, result in zip(self._clients(), results, strict=True):
+            if isinstance(result, WorkerError):
+                LOG.debug("renewing leases on %s failed: %s", client.address, result)
+            elif isinstance(result, BaseException):
+                raise result
+
+    async def _keepalive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sequence_keepalive_s)
+            await self.renew_leases()

@@ -213,6 +213,8 @@ class BatchVerifier:
         if max_tokens <= 0:
             raise InvalidArgumentError("max_tokens", f"must be >= 1, got {max_tokens}")
         context = self.runner.max_seq_len
+        if len(prompt_ids) >= context:  # leaves no room for one token, whatever max_tokens says
+            raise InvalidArgumentError("prompt", f"{len(prompt_ids)} tokens; the context length is {context}")
         if len(prompt_ids) + max_tokens > context:
             raise InvalidArgumentError(
                 "max_tokens",

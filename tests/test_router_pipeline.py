@@ -128,6 +128,7 @@ class FakeDrafter:
     """Guesses the target's next tokens, wrong wherever ``wrong(context)``; follows Commit like a real drafter."""
 
     feature_width = 0
+    kind = None
 
     def __init__(
         self,
@@ -335,6 +336,65 @@ def test_a_failing_drafter_never_fails_the_request(mode: str, fail_on_call: int)
     assert final.stats.drafter_fallback
     assert placement.failed == [drafter.address]
     check_stats(final, tokens, mode)
+    assert_clean(placement)
+
+
+class OpenLoggingDrafter(FakeDrafter):
+    """Also logs the text each sequence was opened on."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.opened_on: list[tuple[int, ...]] = []
+
+    async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
+        self.opened_on.append(spec.prompt_ids)
+        await super().open(sequence_id, spec, seed)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "pipelined"])
+@pytest.mark.parametrize("fail_on_call", [1, 2, 4, 7])
+def test_a_failed_drafter_is_replaced_by_another_of_its_kind_on_the_committed_text(
+    mode: str, fail_on_call: int
+) -> None:
+    """A drafter failing mid-request used to drop speculation for the rest of it, another healthy one or not."""
+    failing = FakeDrafter("drafter-0", wrong_every=3, fail_on_call=fail_on_call)
+    spare = OpenLoggingDrafter("drafter-1", wrong_every=3)
+    placement = FakePlacement([FakeVerifier()], [failing, spare])
+    tokens, final, _ = run(make_plan(mode, max_tokens=30), placement)
+    assert tokens == reference(PROMPT, 30)[0]
+    assert not final.stats.drafter_fallback and placement.failed == ["drafter-0"]
+    [text] = spare.opened_on  # opened once, on the prompt and the tokens committed before the failure
+    assert text[: len(PROMPT)] == PROMPT and list(text[len(PROMPT) :]) == tokens[: len(text) - len(PROMPT)]
+    assert "propose" in spare.log[1:]  # and it drafted for the rest of the request
+    check_stats(final, tokens, mode)
+    assert_clean(placement)
+
+
+class OpenLoggingVerifier(FakeVerifier):
+    """Also logs the text and the features flag each sequence was opened with."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.opened_with: list[tuple[tuple[int, ...], bool]] = []
+
+    async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
+        self.opened_with.append((spec.prompt_ids, spec.features))
+        await super().open(sequence_id, spec, seed)
+
+
+def test_a_replacement_drafter_that_drafts_from_features_gets_a_fresh_verifier_sequence() -> None:
+    """The target's feature rows of the text so far went to the failed drafter: the verifier re-prefills the committed
+    text in a new sequence, which sends its rows from position 0, for the replacement."""
+    failing, spare = FakeDrafter("drafter-0", fail_on_call=4), OpenLoggingDrafter("drafter-1")
+    failing.feature_width = spare.feature_width = 16
+    verifier = OpenLoggingVerifier()
+    placement = FakePlacement([verifier], [failing, spare])
+    tokens, final, _ = run(make_plan("pipelined", max_tokens=30), placement)
+    assert tokens == reference(PROMPT, 30)[0]
+    assert not final.stats.drafter_fallback and verifier.opened == ["seq", "seq.1"]
+    (first, first_features), (again, again_features) = verifier.opened_with
+    assert first == PROMPT and first_features and again_features and spare.opened_on == [again]
+    assert len(again) > len(PROMPT) and list(again[len(PROMPT) :]) == tokens[: len(again) - len(PROMPT)]
     assert_clean(placement)
 
 

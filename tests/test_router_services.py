@@ -2,7 +2,8 @@
 
 Greedy output through router + services must equal the co-located Engine's target-only output token for token
 (DESIGN §3), for the n-gram and the model drafter, sequential and pipelined. Also: finish reasons with EOS, seeded
-sampling reproducible, a drafter stopped mid-request (the request completes unchanged), cancellation freeing state
+sampling reproducible, a drafter stopped mid-request (the request completes unchanged; another drafter of its kind
+takes over when there is one), cancellation freeing state
 on both services (their Status RPCs), and 16 concurrent streams over 2 drafters and 2 verifiers.
 """
 
@@ -239,6 +240,44 @@ def test_drafter_stopped_mid_request(target: LoadedModel) -> None:
     finally:
         router.stop(0.5)
         verifier.stop(0)
+
+
+def test_a_drafter_stopped_mid_request_is_replaced_by_another_of_its_kind(target: LoadedModel) -> None:
+    """Two n-gram drafters; the request's goes away after the first chunk: the other takes over on the committed
+    text (no fallback to target-only), with the same greedy output."""
+    verifier = start_verifier(VerifierConfig(), model=target)
+    drafters = [start_drafter(DrafterConfig(kind="ngram"), target=target) for _ in range(2)]
+    config = RouterConfig(
+        model=target.name,
+        verifiers=(verifier.address,),
+        drafters=tuple(drafter.address for drafter in drafters),
+        grpc_port=0,
+        http_port=0,
+        eos_token_ids=(EOS,),
+        drafter_deadline_s=1.0,
+        shutdown_grace_s=0.5,
+    )
+    router = start_router(config)
+    prompt, max_tokens = [3, 4, 5, 3, 4, 5, 3, 4], 240
+    [expected] = Engine(KVRunner(target.model), target.eos_token_ids, None).generate(
+        [GenerationRequest(prompt, GREEDY, max_tokens, ignore_eos=True)]
+    )
+    try:
+        with Client(router.grpc_address, timeout_s=60) as client:
+            stream = client.stream(prompt_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            chunks = [next(stream)]
+            drafters[0].stop(0)  # the least loaded, least chosen one: the request's
+            chunks += list(stream)
+        assert [token for chunk in chunks for token in chunk.token_ids] == expected.token_ids
+        final = chunks[-1]
+        assert final.stats is not None and not final.stats.drafter_fallback
+        with grpc.insecure_channel(drafters[1].address) as channel:
+            status = drafter_pb2_grpc.DrafterStub(channel).Status(drafter_pb2.DrafterStatusRequest(), timeout=5)
+        assert status.proposals > 0 and status.open_sequences == 0
+    finally:
+        router.stop(0.5)
+        verifier.stop(0)
+        drafters[1].stop(0)
 
 
 def test_cancel_frees_state_on_both_services(services: Services) -> None:

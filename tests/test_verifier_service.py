@@ -227,12 +227,15 @@ def test_bad_input_names_the_field_and_the_server_stays_up(stub, channel) -> Non
     half = torch.tensor([0.5], dtype=torch.float32).numpy().tobytes()
     full = torch.tensor([1.0], dtype=torch.float32).numpy().tobytes()
     malformed = {
-        "ids of 3 bytes": (raw_proposal([0], [-1], b"\0\0\0", full, [0]), "proposal: "),
-        "ids and probs differ in length": (raw_proposal([0], [-1], one + one, full, [0]), "proposal: "),
-        "node_rows names no row": (raw_proposal([0], [-1], one, full, [1]), "proposal: "),
+        "ids of 3 bytes": (raw_proposal([0], [-1], b"\0\0\0", full, [0]), "proposal.draft.rows[0]: "),
+        "ids and probs differ in length": (raw_proposal([0], [-1], one + one, full, [0]), "proposal.draft.rows[0]: "),
+        "node_rows names no row": (raw_proposal([0], [-1], one, full, [1]), "proposal.draft.node_rows: "),
         "row sums to 0.5": (raw_proposal([0], [-1], one, half, [0]), "proposal.draft.rows: "),
         "q(token) = 0": (raw_proposal([3], [-1], one, full, [0]), "proposal.draft.rows: "),
-        "parent after child": (common_pb2.Proposal(tree=common_pb2.TokenTree(tokens=[1], parents=[3])), "proposal: "),
+        "parent after child": (
+            common_pb2.Proposal(tree=common_pb2.TokenTree(tokens=[1], parents=[3])),
+            "proposal.tree: ",
+        ),
         "token out of vocabulary": (
             common_pb2.Proposal(tree=common_pb2.TokenTree(tokens=[9], parents=[-1])),
             "proposal",

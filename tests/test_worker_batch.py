@@ -126,6 +126,23 @@ def test_call_batcher_sends_one_batch_per_tick_and_fails_calls_alone() -> None:
     asyncio.run(run())
 
 
+def test_call_batcher_keeps_each_batch_within_the_workers_bound_on_nodes() -> None:
+    """Calls weigh their length (a verifier's proposal nodes): a batch holds at most 5, a heavier call goes alone."""
+    sent: list[list[str]] = []
+
+    async def send(calls: list[str]) -> list[str]:
+        sent.append(calls)
+        return [call.upper() for call in calls]
+
+    async def run() -> None:
+        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=3, weight=len, max_weight=5)
+        calls = ["aa", "bb", "c", "dddddd", "e", "f", "g", "h"]
+        assert await asyncio.gather(*(batcher.submit(call) for call in calls)) == [call.upper() for call in calls]
+        assert sent == [["aa", "bb", "c"], ["dddddd"], ["e", "f", "g"], ["h"]]
+
+    asyncio.run(run())
+
+
 def test_a_calls_error_maps_to_the_router_error_of_its_status() -> None:
     def failure(code: grpc.StatusCode) -> WorkerError:
         return call_failure("w", drafter_pb2.DrafterResult(error={"code": code.value[0], "message": "m"}).error)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from grpc_common.convert import MAX_PROPOSAL_NODES
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
@@ -43,6 +44,12 @@ class VerifierConfig:
     ``malloc_mmap_threshold_mb`` (0: glibc's own, which rises with the largest block freed) fixes the size from
     which the process's allocations are mmapped, so that large blocks never pin heap pages (same module).
     ``tls`` (``--tls-cert`` / ``--tls-key`` / ``--tls-ca``, :mod:`grpc_common.tls`) makes the gRPC port mutual TLS.
+    ``sequence_idle_timeout_s`` (0: never) is the lease of an open sequence: one that no call (or Touch) has named for
+    that long is closed and its KV freed, so a router that died cannot leak sequences until ``max_sequences`` refuses
+    everyone; the default is four times the router's default verifier deadline, and a live router touches its idle
+    sequences far more often. Every message is bounded before anything is allocated: ``max_proposal_nodes`` nodes
+    per proposal, ``max_batch_calls`` calls and ``max_batch_nodes`` proposal nodes per Batch (the router sends at
+    most 512 calls per Batch and trees of at most 512 nodes).
     """
 
     model: str = "smollm2-135m"
@@ -62,6 +69,10 @@ class VerifierConfig:
     grace_s: float = 5.0
     malloc_trim_idle_s: float = 1.0
     malloc_mmap_threshold_mb: int = 16
+    sequence_idle_timeout_s: float = 120.0
+    max_proposal_nodes: int = MAX_PROPOSAL_NODES
+    max_batch_calls: int = 1024
+    max_batch_nodes: int = 8192
     world_size: int = 1
     rank: int = 0
     tls: TlsConfig = PLAINTEXT
@@ -74,7 +85,16 @@ class VerifierConfig:
         check_metrics_port(self.metrics_port)
         if not 0 <= self.rank < self.world_size:
             raise InvalidArgumentError("rank", f"must be in [0, world_size = {self.world_size}), got {self.rank}")
-        for name in ("max_batch_size", "max_batch_tokens", "max_sequences", "max_message_bytes", "world_size"):
+        for name in (
+            "max_batch_size",
+            "max_batch_tokens",
+            "max_sequences",
+            "max_message_bytes",
+            "max_proposal_nodes",
+            "max_batch_calls",
+            "max_batch_nodes",
+            "world_size",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -85,6 +105,7 @@ class VerifierConfig:
             "grace_s",
             "malloc_trim_idle_s",
             "malloc_mmap_threshold_mb",
+            "sequence_idle_timeout_s",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
@@ -129,6 +150,10 @@ class VerifierConfig:
         option("grace_s", float, "seconds in-flight calls get to finish on SIGTERM")
         option("malloc_trim_idle_s", float, "idle seconds before freed memory goes back to the OS (0: never)")
         option("malloc_mmap_threshold_mb", int, "allocations from this size are mmapped (0: glibc's dynamic default)")
+        option("sequence_idle_timeout_s", float, "seconds without a call before an open sequence is closed (0: never)")
+        option("max_proposal_nodes", int, "most nodes in one proposal")
+        option("max_batch_calls", int, "most calls in one Batch")
+        option("max_batch_nodes", int, "most proposal nodes in one Batch")
         option("world_size", int, "tensor-parallel ranks", env_name="WORLD_SIZE")
         option("rank", int, "this process's rank (0 serves gRPC)", env_name="RANK")
         add_tls_arguments(parser, ENV_PREFIX, environ)

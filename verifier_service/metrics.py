@@ -56,6 +56,11 @@ class VerifierMetrics:
         )
         self.received_bytes = wire_bytes.labels("received")
         self.feature_bytes = wire_bytes.labels("features")
+        self.sequences_reclaimed = Counter(
+            "specdec:sequences_reclaimed",
+            "Open sequences closed because no call named them for the idle timeout (their router is gone).",
+            registry=registry,
+        )
 
     def observe_forward(self, positions: int, seconds: float) -> None:
         """One batched verification of ``positions`` positions that took ``seconds``."""

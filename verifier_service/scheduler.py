@@ -66,7 +66,8 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
 
     At most ``max_queued`` Verify calls wait at once; beyond that :meth:`verify` raises CapacityError.
     ``metrics`` (default: a fresh, unserved set) receives the scheduler's series. ``idle_trim`` (None: never)
-    releases freed memory when the scheduler goes idle.
+    releases freed memory when the scheduler goes idle. ``idle_timeout_s`` (None: never) is a sequence's lease: one
+    no call has named for that long is closed and its KV freed.
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         max_batch_tokens: int | None = None,
         metrics: VerifierMetrics | None = None,
         idle_trim: IdleTrim | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
         budget = None if max_batch_tokens is None else Budget(max_batch_tokens, verifier.forward_tokens, self._prefills)
         super().__init__(
@@ -88,6 +90,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
             max_queued=max_queued,
             budget=budget,
             idle_trim=idle_trim,
+            idle_timeout_s=idle_timeout_s,
         )
         self.verifier = verifier
         self.metrics = VerifierMetrics() if metrics is None else metrics
@@ -174,6 +177,11 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         for sequence_id in self.verifier.sequence_ids():
             self.verifier.close(sequence_id)
         self._feature_dtypes.clear()
+
+    def _reclaim(self, sequence_id: str) -> None:
+        self._feature_dtypes.pop(sequence_id, None)
+        self.verifier.close(sequence_id)
+        self.metrics.sequences_reclaimed.inc()
 
     def _prefills(self, call: VerifyCall) -> bool:
         """Whether ``call``, over the budget, can be carried while its prompt is prefilled; a call that fails its

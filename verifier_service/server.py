@@ -51,10 +51,17 @@ def serve(config: VerifierConfig, runner: Runner, model: LoadedModel) -> Running
         batch_wait_s=config.batch_wait_ms / 1000,
         metrics=metrics,
         idle_trim=IdleTrim(config.malloc_trim_idle_s, glibc_malloc_trim()),
+        idle_timeout_s=config.sequence_idle_timeout_s or None,
     )
     scheduler.start()
     servicer = VerifierServicer(
-        scheduler, model_name=model.name, eos_token_ids=model.eos_token_ids, world_size=config.world_size
+        scheduler,
+        model_name=model.name,
+        eos_token_ids=model.eos_token_ids,
+        world_size=config.world_size,
+        max_proposal_nodes=config.max_proposal_nodes,
+        max_batch_calls=config.max_batch_calls,
+        max_batch_nodes=config.max_batch_nodes,
     )
     running = start_service(
         scheduler,

@@ -3,9 +3,12 @@
 Domain errors raised below become status codes in :mod:`grpc_common.errors` (bad fields: INVALID_ARGUMENT,
 unknown sequence: NOT_FOUND, too many sequences or queued calls: RESOURCE_EXHAUSTED). Only the waiting is
 gRPC-specific: a call that ends (deadline, cancel) before its job ran drops the job, and a stopping scheduler
-answers UNAVAILABLE. ``Batch`` carries many calls in one message (:mod:`grpc_common.batch`). A sequence opened
-with ``features`` gets the target's feature rows with every verdict, encoded here in the dtype it asked for
-(:func:`~grpc_common.convert.features_to_wire`), until a Verify says ``stop_features``.
+answers UNAVAILABLE. ``Batch`` carries many calls in one message (:mod:`grpc_common.batch`). Every message is
+bounded before anything is decoded or allocated (INVALID_ARGUMENT naming the field): at most ``max_proposal_nodes``
+nodes in a proposal, ``max_batch_calls`` calls and ``max_batch_nodes`` proposal nodes in a Batch (a draft row's
+ids are bounded by the vocabulary, a prompt by the context, both in the decoding). ``Touch`` renews leases. A
+sequence opened with ``features`` gets the target's feature rows with every verdict, encoded here in the dtype it
+asked for (:func:`~grpc_common.convert.features_to_wire`), until a Verify says ``stop_features``.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import grpc
 from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
-from grpc_common.batch import Submitted, answer_batch
+from grpc_common.batch import Submitted, answer_batch, check_batch_size, touched
 from grpc_common.convert import (
+    MAX_PROPOSAL_NODES,
     feature_dtype_from_wire,
     features_to_wire,
     proposal_from_wire,
+    proposal_nodes,
     sampling_from_wire,
     top_logprobs_to_wire,
 )
@@ -33,12 +38,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     """``specdec.v1.Verifier`` over one :class:`VerifyScheduler`."""
 
     def __init__(
-        self, scheduler: VerifyScheduler, *, model_name: str, eos_token_ids: frozenset[int], world_size: int = 1
+        self,
+        scheduler: VerifyScheduler,
+        *,
+        model_name: str,
+        eos_token_ids: frozenset[int],
+        world_size: int = 1,
+        max_proposal_nodes: int = MAX_PROPOSAL_NODES,
+        max_batch_calls: int = 1024,
+        max_batch_nodes: int = 8192,
     ) -> None:
         self.scheduler = scheduler
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids
         self.world_size = world_size
+        self.max_proposal_nodes = max_proposal_nodes
+        self.max_batch_calls = max_batch_calls
+        self.max_batch_nodes = max_batch_nodes
 
     def OpenSequence(
         self, request: verifier_pb2.OpenVerifyRequest, context: grpc.ServicerContext
@@ -53,13 +69,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     ) -> verifier_pb2.CloseVerifyReply:
         return self._submit_close(request).answer(context, _UNAVAILABLE)
 
+    def Touch(self, request: common_pb2.TouchRequest, context: grpc.ServicerContext) -> common_pb2.TouchReply:
+        return touched(self.scheduler, request).answer(context)
+
     def Batch(
         self, request: verifier_pb2.VerifierBatchRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.VerifierBatchReply:
+        check_batch_size(request.calls, self.max_batch_calls)
+        nodes = sum(proposal_nodes(call.verify.proposal) for call in request.calls if call.HasField("verify"))
+        if nodes > self.max_batch_nodes:
+            raise InvalidArgumentError("calls", f"{nodes} proposal nodes in one Batch; at most {self.max_batch_nodes}")
         results = answer_batch(request.calls, self._submit, verifier_pb2.VerifierResult, context, _UNAVAILABLE)
         return verifier_pb2.VerifierBatchReply(results=results)
 
     def _submit(self, kind: str, request: Message) -> Submitted:
+        if kind == "touch":
+            return touched(self.scheduler, request)
         submit = {"open": self._submit_open, "verify": self._submit_verify, "close": self._submit_close}[kind]
         return submit(request)
 
@@ -80,10 +105,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _submit_verify(self, request: verifier_pb2.VerifyRequest) -> Submitted:
         self.scheduler.metrics.received_bytes.inc(request.ByteSize())  # only here is the request still on the wire
-        try:
-            proposal = proposal_from_wire(request.proposal, self.scheduler.verifier.runner.vocab_size)
-        except ValueError as error:  # malformed tree or draft rows: name the field
-            raise InvalidArgumentError("proposal", str(error)) from error
+        vocab_size = self.scheduler.verifier.runner.vocab_size
+        proposal = proposal_from_wire(request.proposal, vocab_size, max_nodes=self.max_proposal_nodes)
         call = VerifyCall(request.sequence_id, proposal, request.defer_bonus)
         return Submitted(self.scheduler.verify(call, stop_features=request.stop_features), self._verify_reply)
 

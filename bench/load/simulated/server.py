@@ -121,10 +121,15 @@ class SimVerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.verifier.close(request.sequence_id)
         return verifier_pb2.CloseVerifyReply()
 
+    async def Touch(self, request: common_pb2.TouchRequest, context: grpc.aio.ServicerContext) -> common_pb2.TouchReply:
+        """Simulated sequences hold no KV and are never reclaimed: a lease renewal has nothing to do."""
+        return common_pb2.TouchReply()
+
     async def Batch(
         self, request: verifier_pb2.VerifierBatchRequest, context: grpc.aio.ServicerContext
     ) -> verifier_pb2.VerifierBatchReply:
-        handlers = {"open": type(self).OpenSequence, "verify": type(self).Verify, "close": type(self).CloseSequence}
+        cls = type(self)
+        handlers = {"open": cls.OpenSequence, "verify": cls.Verify, "close": cls.CloseSequence, "touch": cls.Touch}
         results = await _answer_batch(request.calls, handlers, self, verifier_pb2.VerifierResult)
         return verifier_pb2.VerifierBatchReply(results=results)
 
@@ -173,11 +178,21 @@ class SimDrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.drafter.close(request.sequence_id)
         return drafter_pb2.CloseDraftReply()
 
+    async def Touch(self, request: common_pb2.TouchRequest, context: grpc.aio.ServicerContext) -> common_pb2.TouchReply:
+        """Simulated sequences hold no KV and are never reclaimed: a lease renewal has nothing to do."""
+        return common_pb2.TouchReply()
+
     async def Batch(
         self, request: drafter_pb2.DrafterBatchRequest, context: grpc.aio.ServicerContext
     ) -> drafter_pb2.DrafterBatchReply:
         cls = type(self)
-        handlers = {"open": cls.OpenSequence, "propose": cls.Propose, "commit": cls.Commit, "close": cls.CloseSequence}
+        handlers = {
+            "open": cls.OpenSequence,
+            "propose": cls.Propose,
+            "commit": cls.Commit,
+            "close": cls.CloseSequence,
+            "touch": cls.Touch,
+        }
         results = await _answer_batch(request.calls, handlers, self, drafter_pb2.DrafterResult)
         return drafter_pb2.DrafterBatchReply(results=results)
 
