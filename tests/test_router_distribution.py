@@ -20,6 +20,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.server import start_drafter
 from router.config import RouterConfig
 from router.server import start_router
+from specdec.acceptance import SampledRule, verify_batched
 from specdec.client import Client
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
@@ -38,10 +39,18 @@ def target():
 
 
 @contextlib.contextmanager
-def served_router(target: LoadedModel, drafter_config: DrafterConfig, **drafter_models: object) -> Iterator[str]:
-    """A verifier service, one drafter service (``drafter_models``: its ``start_drafter`` models) and a router on
-    loopback; yields the router's gRPC address and stops all three."""
-    verifier = start_verifier(VerifierConfig(), model=target)
+def served_router(
+    target: LoadedModel,
+    drafter_config: DrafterConfig,
+    *,
+    acceptance_rule: SampledRule = verify_batched,
+    http_addresses: list[str] | None = None,
+    **drafter_models: object,
+) -> Iterator[str]:
+    """A verifier service (deciding sampled rounds by ``acceptance_rule``), one drafter service (``drafter_models``:
+    its ``start_drafter`` models) and a router on loopback; yields the router's gRPC address (and appends its HTTP
+    address to ``http_addresses`` when given) and stops all three."""
+    verifier = start_verifier(VerifierConfig(), model=target, acceptance_rule=acceptance_rule)
     drafter = start_drafter(drafter_config, target=target, **drafter_models)
     router = start_router(
         RouterConfig(
@@ -54,6 +63,8 @@ def served_router(target: LoadedModel, drafter_config: DrafterConfig, **drafter_
             max_concurrent_requests=32,
         )
     )
+    if http_addresses is not None:
+        http_addresses.append(router.http_address)
     try:
         yield router.grpc_address
     finally:

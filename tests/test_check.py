@@ -1,0 +1,154 @@
+"""``specdec check`` end to end: through real services on tiny models every shipped mode passes, and a verifier
+built with a deliberately wrong acceptance rule fails it.
+
+Tiny random Llama target (vocabulary 5) and a related draft behind a real verifier, a model drafter and the
+router (:func:`tests.test_router_distribution.served_router`). The check discovers the drafter kind from the
+router's ``Status``, runs the greedy identity test on three token-id prompts, then the two-token law at T = 1
+for one prompt: sequential, pipelined and tree configurations against speculation off, with the wrong law at
+0.5 × T as the power control (the tiny model's law at 0.8 × T is too close to tell apart with ~200 requests).
+Seeds are fixed, so each run is deterministic up to batch composition.
+
+The wrong rule accepts a draft token with probability ``sqrt(p / q)`` instead of ``min(1, p / q)`` (uniforms
+squared): it over-accepts the drafter's favourites; greedy is untouched, so only the law test can see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter_service.config import DrafterConfig
+from specdec.acceptance import verify_batched
+from specdec.check.backends import Generation, Prompt
+from specdec.check.runner import CheckConfig, Mode, Setting, run_check
+from specdec.cli import main
+from tests.test_router_distribution import served_router
+from tests.tiny_models import tiny_draft, tiny_llama
+
+VOCAB = 5
+PROMPTS = "[1, 2, 3, 1, 2]\n[4, 0, 2]\n# a comment\n[3, 3, 1, 0]\n"
+
+
+def over_accepting_rule(trees, target_probs, draft_probs, accept_uniforms, draw_uniforms, **options):
+    """Accept with probability sqrt(p / q): ``u² < p / q``. Not lossless."""
+    return verify_batched(trees, target_probs, draft_probs, accept_uniforms**2, draw_uniforms, **options)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(seed=11, vocab_size=VOCAB, num_layers=2)
+    return target, tiny_draft(target, seed=12, num_layers=1, noise=0.3)
+
+
+@pytest.fixture(scope="module")
+def router(models) -> Iterator[tuple[str, str]]:
+    target, draft = models
+    http: list[str] = []
+    with served_router(
+        target, DrafterConfig(kind="model", draft_model=draft.name), http_addresses=http, draft=draft
+    ) as address:
+        yield address, http[0]
+
+
+@pytest.fixture
+def prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.txt"
+    path.write_text(PROMPTS)
+    return path
+
+
+def check_args(prompts: Path, output: Path, *extra: str) -> list[str]:
+    return [
+        "check",
+        "--prompts",
+        str(prompts),
+        "--distribution-prompts",
+        "1",
+        "--sampling",
+        "temperature=1.0",
+        "--tokens",
+        "2",
+        "--greedy-tokens",
+        "8",
+        "--tree-depth",
+        "2",
+        "--control-temperature-factor",
+        "0.5",
+        "--output",
+        str(output),
+        "--no-progress",
+        *extra,
+    ]
+
+
+def test_every_shipped_mode_passes(router, prompts: Path, tmp_path: Path) -> None:
+    address, _ = router
+    code = main([*check_args(prompts, tmp_path / "report", "--requests", "1100"), "--router", address])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert code == 0, (tmp_path / "report.md").read_text()
+    assert report["verdict"] == "pass"
+    assert report["greedy"] == {"compared": 9, "max_tokens": 8, "mismatches": []}
+    modes = [row["mode"] for row in report["distribution"]]
+    assert modes == ["model/sequential γ=default", "model/pipelined γ=default", "model/tree w=2 γ=2"]
+    for row in report["distribution"]:
+        assert row["status"] == "pass"
+        assert row["real"]["samples"][0] >= 200 and row["real"]["tables_tested"] >= 3
+        assert row["control"]["adjusted_p"] < 0.01 <= row["real"]["adjusted_p"]
+    assert (tmp_path / "report.md").read_text().startswith("# specdec check: PASS")
+
+
+def test_greedy_identity_over_http(router, prompts: Path, tmp_path: Path) -> None:
+    _, http = router
+    args = [*check_args(prompts, tmp_path / "http", "--drafters", "model", "--no-distribution"), "--requests", "50"]
+    assert main([*args, "--base-url", f"http://{http}"]) == 0
+    report = json.loads((tmp_path / "http.json").read_text())
+    assert report["greedy"]["compared"] == 9 and report["error_count"] == 0
+
+
+def test_a_wrong_acceptance_rule_fails(models, prompts: Path, tmp_path: Path) -> None:
+    target, draft = models
+    config = DrafterConfig(kind="model", draft_model=draft.name)
+    with served_router(target, config, acceptance_rule=over_accepting_rule, draft=draft) as address:
+        args = check_args(prompts, tmp_path / "fault", "--modes", "sequential", "--requests", "700")
+        code = main([*args, "--router", address])
+    report = json.loads((tmp_path / "fault.json").read_text())
+    assert code == 1
+    assert report["verdict"] == "fail" and report["greedy"]["mismatches"] == []  # greedy cannot see this rule
+    [row] = report["distribution"]
+    assert row["status"] == "fail" and row["real"]["adjusted_p"] < 1e-3
+    assert "Most deviant table" in (tmp_path / "fault.md").read_text()
+
+
+class SameLawBackend:
+    """A fake router whose output law ignores everything (even the temperature): the wrong law is the real one."""
+
+    async def generate(self, prompt: Prompt, *, chat: bool, options: dict) -> Generation:
+        generator = torch.Generator().manual_seed(options["seed"])
+        tokens = torch.multinomial(torch.tensor([0.6, 0.3, 0.1]), options["max_tokens"], True, generator=generator)
+        return Generation(tuple(tokens.tolist()), False)
+
+    async def drafter_kinds(self) -> tuple[str, ...]:
+        return ("ngram",)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_check_that_cannot_see_the_wrong_law_is_underpowered_not_pass() -> None:
+    config = CheckConfig(
+        prompts=(Prompt("p", ids=(1, 2)),),
+        modes=(Mode("ngram", "sequential"),),
+        settings=(Setting(1.0),),
+        tokens=2,
+        requests=300,
+        greedy=False,
+    )
+    result = asyncio.run(run_check(SameLawBackend(), config, target="fake", progress=False))
+    [row] = result.distribution
+    assert row.comparison.real.samples == (100, 100)  # 300 requests over three samples, round robin
+    assert row.status == "underpowered" and result.exit_code == 3
