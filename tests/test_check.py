@@ -152,3 +152,19 @@ def test_a_check_that_cannot_see_the_wrong_law_is_underpowered_not_pass() -> Non
     [row] = result.distribution
     assert row.comparison.real.samples == (100, 100)  # 300 requests over three samples, round robin
     assert row.status == "underpowered" and result.exit_code == 3
+
+
+def test_a_minutes_budget_stops_the_check_with_samples_of_about_equal_size() -> None:
+    config = CheckConfig(
+        prompts=(Prompt("p", ids=(1, 2)),),
+        modes=(Mode("ngram", "sequential"), Mode("ngram", "pipelined")),
+        settings=(Setting(1.0),),
+        tokens=2,
+        requests=None,
+        minutes=0.02,
+        concurrency=4,
+    )
+    result = asyncio.run(run_check(SameLawBackend(), config, target="fake", progress=False))
+    assert result.budget_exhausted_by == "minutes" and result.greedy_checked == 2
+    sizes = [size for row in result.distribution for size in row.comparison.real.samples]
+    assert min(sizes) > 20 and max(sizes) - min(sizes) <= 4  # round robin: at most one in-flight round apart

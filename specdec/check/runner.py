@@ -425,7 +425,10 @@ async def run_check(
                 f"of the distribution test (after {len(greedy)} greedy requests); need at least {config.min_count * 2}"
                 " each: raise --requests, or check fewer prompts, settings or modes"
             )
-    total = len(greedy) + (per_sample * len(samples) if per_sample is not None else 0)
+    if not samples:
+        total: int | None = len(greedy)
+    else:
+        total = len(greedy) + per_sample * len(samples) if per_sample is not None else None
     bar = tqdm(total=total or None, desc="specdec check", unit="req", disable=not progress)
     try:
         if greedy:
