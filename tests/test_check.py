@@ -25,6 +25,7 @@ import torch
 from drafter_service.config import DrafterConfig
 from specdec.acceptance import verify_batched
 from specdec.check.backends import Generation, Prompt
+from specdec.check.command import read_prompts
 from specdec.check.runner import CheckConfig, Mode, Setting, run_check
 from specdec.cli import main
 from tests.test_router_distribution import served_router
@@ -168,3 +169,14 @@ def test_a_minutes_budget_stops_the_check_with_samples_of_about_equal_size() -> 
     assert result.budget_exhausted_by == "minutes" and result.greedy_checked == 2
     sizes = [size for row in result.distribution for size in row.comparison.real.samples]
     assert min(sizes) > 20 and max(sizes) - min(sizes) <= 4  # round robin: at most one in-flight round apart
+
+
+def test_settings_and_prompt_files_parse(tmp_path: Path) -> None:
+    assert Setting.parse("temperature=0.8,top_p=0.9") == Setting(0.8, top_p=0.9)
+    assert Setting.parse("t=1,k=20").label == "T=1 top_k=20"
+    for bad in ("top_p=0.9", "temperature=0", "temperature=1,colour=red"):
+        with pytest.raises(ValueError):
+            Setting.parse(bad)
+    path = tmp_path / "prompts.txt"
+    path.write_text('[1, 2]\n"two\\nlines"\nplain text\n\n# comment\n')
+    assert [(p.ids, p.text) for p in read_prompts(path)] == [((1, 2), None), (None, "two\nlines"), (None, "plain text")]
