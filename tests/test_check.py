@@ -26,7 +26,7 @@ from drafter_service.config import DrafterConfig
 from specdec.acceptance import verify_batched
 from specdec.check.backends import Generation, Prompt
 from specdec.check.command import read_prompts
-from specdec.check.runner import CheckConfig, Mode, Setting, run_check
+from specdec.check.runner import CheckConfig, Mode, Setting, report_markdown, run_check
 from specdec.cli import main
 from tests.test_router_distribution import served_router
 from tests.tiny_models import tiny_draft, tiny_llama
@@ -180,3 +180,25 @@ def test_settings_and_prompt_files_parse(tmp_path: Path) -> None:
     path = tmp_path / "prompts.txt"
     path.write_text('[1, 2]\n"two\\nlines"\nplain text\n\n# comment\n')
     assert [(p.ids, p.text) for p in read_prompts(path)] == [((1, 2), None), (None, "two\nlines"), (None, "plain text")]
+
+
+class GreedyDiffersBackend(SameLawBackend):
+    """Speculation changes the greedy output from its fourth token on."""
+
+    async def generate(self, prompt: Prompt, *, chat: bool, options: dict) -> Generation:
+        tokens = [1, 2, 3, 4, 5, 6]
+        if options["speculation"] != "off":
+            tokens[3] = 0
+        return Generation(tuple(tokens[: options["max_tokens"]]), False)
+
+
+def test_a_greedy_mismatch_is_reported_with_its_prompt_and_first_position() -> None:
+    config = CheckConfig(
+        prompts=(Prompt("p", ids=(1, 2)),), modes=(Mode("ngram", "pipelined"),), greedy_tokens=6, distribution=False
+    )
+    result = asyncio.run(run_check(GreedyDiffersBackend(), config, target="fake", progress=False))
+    assert result.exit_code == 1 and result.greedy_checked == 1
+    [mismatch] = result.greedy
+    assert (mismatch.prompt, mismatch.mode, mismatch.position) == ("p", "ngram/pipelined γ=default", 3)
+    assert mismatch.off_tokens == [4, 5, 6] and mismatch.mode_tokens == [0, 5, 6]
+    assert "| p | ngram/pipelined γ=default | 3 | 4 5 6 | 0 5 6 |" in report_markdown(result)
