@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -172,6 +172,25 @@ def verify_greedy(
         node = match
         path.append(node)
     return _verdict(tree, path, best[node + 1], "recovered" if children else "bonus", max_new_tokens, eos_token_ids)
+
+
+class SampledRule(Protocol):
+    """The signature of :func:`verify_batched`: what a :class:`~specdec.verification.BatchVerifier` applies to its
+    sampled (temperature > 0) rounds. The verifier takes one as a parameter so that a test can build a verifier
+    with a deliberately wrong rule (``specdec check`` must catch it); production always uses :func:`verify_batched`."""
+
+    def __call__(
+        self,
+        trees: Sequence[TokenTree],
+        target_probs: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        accept_uniforms: torch.Tensor,
+        draw_uniforms: torch.Tensor,
+        *,
+        max_new_tokens: Sequence[int],
+        eos_token_ids: Sequence[Collection[int]],
+        scheme: Scheme = "iid",
+    ) -> list[Verdict]: ...
 
 
 def verify_batched(

@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 
 from transformers.utils import logging as transformers_logging
 
+from specdec.check.command import register_check
 from specdec.distill.command import register_distill
 from specdec.drafters import DRAFTER_KINDS, DraftConfig, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
@@ -227,7 +228,7 @@ def quiet_model_loading() -> None:
 def register_core_commands(subparsers: argparse._SubParsersAction) -> dict[str, Run]:
     """The subcommands of the core library itself (a :data:`Register`)."""
     _generate_parser(subparsers)
-    return {"generate": _run_generate, "distill": register_distill(subparsers)}
+    return {"generate": _run_generate, "distill": register_distill(subparsers), "check": register_check(subparsers)}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Run]]:

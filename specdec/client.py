@@ -164,6 +164,33 @@ class GenerateResult:
         return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker as the router sees it: ``role`` is ``"drafter"`` or ``"verifier"``; ``kind`` a drafter's kind
+    (``ngram``, ``model``, ``early-exit``, ``eagle``; empty until the drafter has answered a status call)."""
+
+    role: str
+    address: str
+    healthy: bool
+    outstanding: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    """The router's ``Status``: served model, workers, requests running and waiting."""
+
+    model: str
+    workers: list[WorkerInfo]
+    running: int
+    waiting: int
+
+
+def status_from_wire(reply: router_pb2.RouterStatusReply) -> RouterStatus:
+    workers = [WorkerInfo(w.role, w.address, w.healthy, w.outstanding, w.kind) for w in reply.workers]
+    return RouterStatus(reply.model, workers, reply.running, reply.waiting)
+
+
 class GenerateOptions(TypedDict, total=False):
     """Keyword options of :meth:`Client.generate` and :meth:`Client.stream` (server defaults when omitted)."""
 
@@ -400,6 +427,16 @@ class Client:
             accumulator.add(chunk)
         return accumulator.result()
 
+    def status(self, *, timeout_s: float | None = None) -> RouterStatus:
+        """The router's workers (with each drafter's kind) and load."""
+        try:
+            reply = self._stub.Status(
+                router_pb2.RouterStatusRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise _client_error(error, None) from None
+        return status_from_wire(reply)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -465,6 +502,16 @@ class AsyncClient:
         async for chunk in self.stream(prompt, prompt_ids=prompt_ids, timeout_s=timeout_s, **options):
             accumulator.add(chunk)
         return accumulator.result()
+
+    async def status(self, *, timeout_s: float | None = None) -> RouterStatus:
+        """Like :meth:`Client.status`."""
+        try:
+            reply = await self._stub.Status(
+                router_pb2.RouterStatusRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise _client_error(error, None) from None
+        return status_from_wire(reply)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -37,7 +37,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from specdec.acceptance import SCHEMES, Verdict, verify_batched, verify_greedy
+from specdec.acceptance import SCHEMES, SampledRule, Verdict, verify_batched, verify_greedy
 from specdec.drafters.base import Proposal
 from specdec.errors import CapacityError, InvalidArgumentError, SpecdecError
 from specdec.runner import ForwardItem
@@ -184,14 +184,16 @@ class _Job:
 class BatchVerifier:
     """Sequences keyed by caller-chosen string ids, verified in batches on ``runner``.
 
-    Not thread-safe: one thread owns the verifier (and its runner) at a time.
+    Not thread-safe: one thread owns the verifier (and its runner) at a time. ``rule`` decides sampled rounds
+    (always :func:`~specdec.acceptance.verify_batched` in production; a test can pass a wrong one).
     """
 
-    def __init__(self, runner: Runner, *, max_sequences: int | None = None) -> None:
+    def __init__(self, runner: Runner, *, max_sequences: int | None = None, rule: SampledRule = verify_batched) -> None:
         if max_sequences is not None and max_sequences < 1:
             raise InvalidArgumentError("max_sequences", f"must be >= 1, got {max_sequences}")
         self.runner = runner
         self.max_sequences = max_sequences
+        self.rule = rule
         self._sequences: dict[str, _Sequence] = {}
 
     @property
@@ -417,7 +419,7 @@ class BatchVerifier:
             else:
                 by_scheme.setdefault(job.call.proposal.scheme, []).append(job)
         for scheme, group in by_scheme.items():
-            for job, verdict in zip(group, _verify_sampled(group, scheme), strict=True):
+            for job, verdict in zip(group, _verify_sampled(group, scheme, self.rule), strict=True):
                 job.verdict = verdict
         for job in jobs:
             verdict, sequence = job.verdict, job.sequence
@@ -463,8 +465,8 @@ def _take_features(sequence: _Sequence, hidden_size: int) -> dict[str, torch.Ten
     return {"features": features, "feature_start": start}
 
 
-def _verify_sampled(jobs: list[_Job], scheme: str) -> list[Verdict]:
-    """:func:`verify_batched` over sampled jobs of one sibling scheme; ragged trees are padded.
+def _verify_sampled(jobs: list[_Job], scheme: str, rule: SampledRule) -> list[Verdict]:
+    """``rule`` (:func:`verify_batched`) over sampled jobs of one sibling scheme; ragged trees are padded.
 
     Uniforms are drawn per sequence from its own generator: ``rand(N)`` then one draw uniform.
     """
@@ -483,7 +485,7 @@ def _verify_sampled(jobs: list[_Job], scheme: str) -> list[Verdict]:
             draft[index, :size] = q if q is not None else torch.nn.functional.one_hot(torch.tensor(tree.tokens), vocab)
         accept[index, :size] = torch.rand(size, generator=generator, dtype=torch.float64)
         draw[index] = torch.rand((), generator=generator, dtype=torch.float64)
-    return verify_batched(
+    return rule(
         trees,
         target,
         draft,

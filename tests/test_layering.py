@@ -50,7 +50,7 @@ def test_help_lists_the_core_and_the_plugged_in_subcommands(capsys: pytest.Captu
         main(["--help"])
     assert exit_info.value.code == 0
     usage = capsys.readouterr().out.splitlines()[0]
-    assert "{generate,distill,bench,up,status,down}" in usage, usage
+    assert "{generate,distill,check,bench,up,status,down}" in usage, usage
 
 
 @pytest.mark.parametrize("command", ["bench", "up", "status", "down"])

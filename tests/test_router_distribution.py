@@ -22,6 +22,7 @@ from drafter_service.server import start_drafter
 from grpc_common.tls import PLAINTEXT, TlsConfig
 from router.config import RouterConfig
 from router.server import RunningRouter, start_router
+from specdec.acceptance import SampledRule, verify_batched
 from specdec.adaptive import SpeculationController
 from specdec.client import Client
 from specdec.models import LoadedModel
@@ -49,12 +50,14 @@ def served_router(
     controller: SpeculationController | None = None,
     *,
     max_model_len: int = 0,
+    acceptance_rule: SampledRule = verify_batched,
     **drafter_models: object,
 ) -> Iterator[RunningRouter]:
-    """A verifier service, one drafter service (``drafter_models``: its ``start_drafter`` models) and a router on
-    loopback, all three with ``tls``; ``controller`` chooses the router's auto draft lengths, ``max_model_len`` is
-    its context limit (0 for the verifier's); yields the router and stops all three."""
-    verifier = start_verifier(VerifierConfig(tls=tls), model=target)
+    """A verifier service (deciding sampled rounds by ``acceptance_rule``), one drafter service (``drafter_models``:
+    its ``start_drafter`` models) and a router on loopback, all three with ``tls``; ``controller`` chooses the
+    router's auto draft lengths, ``max_model_len`` is its context limit (0 for the verifier's); yields the router and
+    stops all three."""
+    verifier = start_verifier(VerifierConfig(tls=tls), model=target, acceptance_rule=acceptance_rule)
     drafter = start_drafter(replace(drafter_config, tls=tls), target=target, **drafter_models)
     router = start_router(
         RouterConfig(

@@ -12,6 +12,7 @@ from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
 
 from grpc_common.memory import IdleTrim, glibc_malloc_trim
 from grpc_common.server import RunningService, start_service
+from specdec.acceptance import SampledRule, verify_batched
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
 from specdec.verification import BatchVerifier, Runner
@@ -28,20 +29,26 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  #
 RunningVerifier = RunningService[VerifyScheduler, VerifierConfig]
 
 
-def start_verifier(config: VerifierConfig, *, model: LoadedModel | None = None) -> RunningVerifier:
+def start_verifier(
+    config: VerifierConfig, *, model: LoadedModel | None = None, acceptance_rule: SampledRule = verify_batched
+) -> RunningVerifier:
     """Build the batch verifier on one process, start its scheduler thread and serve it on ``config.host:config.port``.
 
     ``model`` lets tests and co-located deployments share a target already in memory; otherwise
-    ``config.model`` is loaded in ``config.dtype`` on ``config.device``.
+    ``config.model`` is loaded in ``config.dtype`` on ``config.device``. ``acceptance_rule`` is for tests only
+    (a verifier with a deliberately wrong rule, which ``specdec check`` must catch).
     """
     if model is None:
         model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
-    return serve(config, KVRunner(model.model, max_seq_len=config.max_seq_len or None), model)
+    runner = KVRunner(model.model, max_seq_len=config.max_seq_len or None)
+    return serve(config, runner, model, acceptance_rule=acceptance_rule)
 
 
-def serve(config: VerifierConfig, runner: Runner, model: LoadedModel) -> RunningVerifier:
+def serve(
+    config: VerifierConfig, runner: Runner, model: LoadedModel, *, acceptance_rule: SampledRule = verify_batched
+) -> RunningVerifier:
     """Serve ``runner`` (a :class:`KVRunner` over ``model``, or rank 0's broadcasting one under tensor parallelism)."""
-    verifier = BatchVerifier(runner, max_sequences=config.max_sequences)
+    verifier = BatchVerifier(runner, max_sequences=config.max_sequences, rule=acceptance_rule)
     metrics = VerifierMetrics(model.name)
     scheduler = VerifyScheduler(
         verifier,
