@@ -86,13 +86,18 @@ def check_args(prompts: Path, output: Path, *extra: str) -> list[str]:
 
 def test_every_shipped_mode_passes(router, prompts: Path, tmp_path: Path) -> None:
     address, _ = router
-    code = main([*check_args(prompts, tmp_path / "report", "--requests", "1100"), "--router", address])
+    code = main([*check_args(prompts, tmp_path / "report", "--requests", "1400"), "--router", address])
     report = json.loads((tmp_path / "report.json").read_text())
     assert code == 0, (tmp_path / "report.md").read_text()
     assert report["verdict"] == "pass"
-    assert report["greedy"] == {"compared": 9, "max_tokens": 8, "mismatches": []}
+    assert report["greedy"] == {"compared": 12, "max_tokens": 8, "mismatches": []}
     modes = [row["mode"] for row in report["distribution"]]
-    assert modes == ["model/sequential γ=default", "model/pipelined γ=default", "model/tree w=2 γ=2"]
+    assert modes == [
+        "model/sequential γ=default",
+        "model/pipelined γ=default",
+        "model/tree w=2 γ=2",
+        "model/auto γ=default",
+    ]
     for row in report["distribution"]:
         assert row["status"] == "pass"
         assert row["real"]["samples"][0] >= 200 and row["real"]["tables_tested"] >= 3
