@@ -251,6 +251,8 @@ class WorkerPool:
         self.drafters = drafters
         self.verifiers = verifiers
         self._health_task: asyncio.Task[None] | None = None
+        # called (on the loop) whenever a worker enters or leaves rotation; the router republishes its readiness
+        self.on_health_change: Callable[[], None] | None = None
 
     @classmethod
     async def start(cls, config: RouterConfig) -> WorkerPool:
@@ -320,6 +322,7 @@ class WorkerPool:
         if isinstance(error, WorkerUnavailableError) and worker.worker.healthy:
             LOG.warning("%s %s marked unhealthy: %s", worker.worker.role, worker.address, error)
             worker.worker.healthy = False
+            self._health_changed()
 
     def drafter_kinds(self) -> frozenset[str]:
         """Kinds the drafters serve; empty while some drafter's kind is unknown (it has never answered)."""
@@ -364,7 +367,12 @@ class WorkerPool:
             return
         if serving != worker.healthy:
             LOG.info("%s %s is %s", worker.role, worker.address, "healthy" if serving else "unhealthy")
-        worker.healthy = serving
+            worker.healthy = serving
+            self._health_changed()
+
+    def _health_changed(self) -> None:
+        if self.on_health_change is not None:
+            self.on_health_change()
 
     async def _health_loop(self) -> None:
         while True:
