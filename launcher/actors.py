@@ -2,7 +2,9 @@
 
 Each actor starts its service's gRPC server on a free port and reports the address (and where its
 Prometheus metrics are scraped); the service code is the same as ``python -m <service>``, configured
-by the same argument list.
+by the same argument list. On a cluster (``on_node_address``) it binds the address Ray knows its node by
+(on KubeRay: the pod's IP, which Services, probes and the router dial) instead of loopback; a ``--host`` in
+``argv`` still wins.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ ROLES = ("verifier", "drafter", "router")
 class ServiceActor:
     """Serves ``role`` configured by ``argv`` (the service's own command-line arguments)."""
 
-    def __init__(self, role: str, argv: list[str]) -> None:
+    def __init__(self, role: str, argv: list[str], on_node_address: bool = False) -> None:
+        if on_node_address:
+            import ray
+
+            argv = ["--host", ray.util.get_node_ip_address(), *argv]
         if role == "verifier":
             from verifier_service.config import VerifierConfig
             from verifier_service.server import start_verifier

@@ -4,9 +4,10 @@
 without ``--address`` it starts a local Ray instance, otherwise it joins the given cluster. There it
 places the verifiers (each in a placement group of ``verifier_gpus`` GPU bundles packed on one node:
 its tensor-parallel ranks), the drafters (asking for the custom ``drafter`` resource on a cluster)
-and the router, then records their addresses (gRPC, and the URL of each one's Prometheus metrics) in
+and the router (asking for the custom ``router`` resource on a cluster: on Kubernetes the pods a Service
+selects), then records their addresses (gRPC, and the URL of each one's Prometheus metrics) in
 a state file and waits. ``specdec down`` signals the supervisor, which stops the services and Ray.
-Services bind loopback unless told otherwise.
+Services bind loopback on a local instance and their node's address on a cluster.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
     actors = []
 
     def spawn(role: str, argv: list[str], **options: object) -> object:
-        actor = remote.options(num_cpus=0, **options).remote(role, argv)
+        actor = remote.options(num_cpus=0, **options).remote(role, argv, in_cluster)
         actors.append(actor)
         return actor
 
@@ -101,7 +102,7 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
     for role, address in zip(roles, addresses, strict=True):
         router_argv += [f"--{role}", address["grpc"]]
         state.workers.append({"role": role, "address": address["grpc"], "metrics": address.get("metrics", "")})
-    router = spawn("router", router_argv)
+    router = spawn("router", router_argv, **({"resources": {"router": 1}} if in_cluster else {}))
     state.router = ray.get(router.addresses.remote(), timeout=timeout_s)
     return actors
 
