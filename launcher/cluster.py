@@ -3,11 +3,12 @@
 ``specdec up`` starts a small supervisor process (:mod:`launcher.daemon`) that owns the Ray driver:
 without ``--address`` it starts a local Ray instance, otherwise it joins the given cluster. There it
 places the verifiers (each in a placement group of ``verifier_gpus`` GPU bundles packed on one node:
-its tensor-parallel ranks), the drafters (asking for the custom ``drafter`` resource on a cluster)
-and the router (asking for the custom ``router`` resource on a cluster: on Kubernetes the pods a Service
-selects), then records their addresses (gRPC, and the URL of each one's Prometheus metrics) in
-a state file and waits. ``specdec down`` signals the supervisor, which stops the services and Ray.
-Services bind loopback on a local instance and their node's address on a cluster.
+its tensor-parallel ranks; on a cluster also asking for the custom ``verifier`` resource once), the
+drafters (asking for the custom ``drafter`` resource on a cluster) and the router (asking for the custom
+``router`` resource on a cluster: on Kubernetes the pods its Service selects), then records their
+addresses (gRPC, and the URL of each one's Prometheus metrics) in a state file and waits. ``specdec down``
+signals the supervisor, which stops the services and Ray. Services bind loopback on a local instance and
+their node's address on a cluster.
 """
 
 from __future__ import annotations
@@ -63,6 +64,30 @@ class ClusterState:
         return cls(**json.loads(path.read_text()))
 
 
+def verifier_argv(deployment: Deployment) -> list[str]:
+    """A verifier's command line: metrics on a free port unless ``verifier_args`` say otherwise (later flags win)."""
+    return ["--model", deployment.target, "--metrics-port", "0", *deployment.verifier_args]
+
+
+def drafter_argv(deployment: Deployment, kind: str) -> list[str]:
+    """A drafter's command line for ``kind``, metrics on a free port unless ``drafter_args`` say otherwise."""
+    argv = ["--kind", kind, "--target", deployment.target, "--metrics-port", "0", *deployment.drafter_args]
+    if kind == "model":
+        argv += ["--draft-model", deployment.draft_model or deployment.target]
+    if kind == "eagle" and deployment.eagle_head:
+        argv += ["--draft-model", deployment.eagle_head]
+    return argv
+
+
+def router_argv(deployment: Deployment, workers: list[dict[str, str]]) -> list[str]:
+    """The router's command line over ``workers`` (``{"role", "address"}``): free ports unless ``router_args``
+    say otherwise."""
+    argv = ["--model", deployment.target, "--grpc-port", "0", "--http-port", "0", *deployment.router_args]
+    for worker in workers:
+        argv += [f"--{worker['role']}", worker["address"]]
+    return argv
+
+
 def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, timeout_s: float = 600) -> list:
     """Start every service as a Ray actor, fill ``state`` with addresses, and return the actor handles."""
     import ray
@@ -81,28 +106,29 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
     for _ in range(deployment.num_verifiers):
         options: dict[str, object] = {}
         if deployment.verifier_gpus:
-            group = placement_group([{"GPU": 1}] * deployment.verifier_gpus, strategy="STRICT_PACK")
+            bundles: list[dict[str, float]] = [{"GPU": 1} for _ in range(deployment.verifier_gpus)]
+            if in_cluster:  # on a node of the verifier pool, not any node with enough GPUs
+                bundles[0]["verifier"] = 1
+            group = placement_group(bundles, strategy="STRICT_PACK")
             ray.get(group.ready(), timeout=timeout_s)
-            options = {"num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
-        argv = ["--model", deployment.target, "--metrics-port", "0", *deployment.verifier_args]
-        verifiers.append(spawn("verifier", argv, **options))
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+            options = {"num_gpus": 1, "scheduling_strategy": strategy}
+            if in_cluster:
+                options["resources"] = {"verifier": 1}
+        elif in_cluster:
+            options = {"resources": {"verifier": 1}}
+        verifiers.append(spawn("verifier", verifier_argv(deployment), **options))
     drafters = []
     for kind in deployment.drafter_kinds:
         for _ in range(deployment.num_drafters):
-            argv = ["--kind", kind, "--target", deployment.target, "--metrics-port", "0", *deployment.drafter_args]
-            if kind == "model":
-                argv += ["--draft-model", deployment.draft_model or deployment.target]
-            if kind == "eagle" and deployment.eagle_head:
-                argv += ["--draft-model", deployment.eagle_head]
+            argv = drafter_argv(deployment, kind)
             drafters.append(spawn("drafter", argv, **({"resources": {"drafter": 1}} if in_cluster else {})))
     addresses = ray.get([actor.addresses.remote() for actor in verifiers + drafters], timeout=timeout_s)
     roles = ["verifier"] * len(verifiers) + ["drafter"] * len(drafters)
-    # Free ports unless the deployment's router arguments say otherwise (later flags win).
-    router_argv = ["--model", deployment.target, "--grpc-port", "0", "--http-port", "0", *deployment.router_args]
     for role, address in zip(roles, addresses, strict=True):
-        router_argv += [f"--{role}", address["grpc"]]
         state.workers.append({"role": role, "address": address["grpc"], "metrics": address.get("metrics", "")})
-    router = spawn("router", router_argv, **({"resources": {"router": 1}} if in_cluster else {}))
+    argv = router_argv(deployment, state.workers)
+    router = spawn("router", argv, **({"resources": {"router": 1}} if in_cluster else {}))
     state.router = ray.get(router.addresses.remote(), timeout=timeout_s)
     return actors
 
