@@ -4,12 +4,18 @@ Each actor starts its service's gRPC server on a free port and reports the addre
 Prometheus metrics are scraped); the service code is the same as ``python -m <service>``, configured
 by the same argument list. On a cluster (``on_node_address``) it binds the address Ray knows its node by
 (on KubeRay: the pod's IP, which Services, probes and the router dial) instead of loopback; a ``--host`` in
-``argv`` still wins.
+``argv`` still wins. There it also watches the drain file of :mod:`launcher.drain` (the pod's ``preStop``
+hook creates it): the service then stops gracefully and reports that it did.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
 from typing import Any
+
+from launcher.drain import POLL_S, done_file, drain_file
 
 ROLES = ("verifier", "drafter", "router")
 
@@ -45,6 +51,12 @@ class ServiceActor:
             raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
         self._running: Any = running
         self.role = role
+        self._stopped = threading.Lock()
+        if on_node_address:
+            path = drain_file()
+            for stale in (path, done_file(path)):  # left by an earlier container of this pod
+                stale.unlink(missing_ok=True)
+            threading.Thread(target=self._drain_when_asked, args=(path,), daemon=True).start()
 
     def addresses(self) -> dict[str, str]:
         """Where the service listens: ``{"grpc": host:port}``, ``"metrics"`` (a URL) when it serves metrics,
@@ -52,7 +64,15 @@ class ServiceActor:
         return self._addresses
 
     def stop(self) -> None:
-        self._running.stop()
+        """Drain the service (once; later calls return at once)."""
+        if self._stopped.acquire(blocking=False):
+            self._running.stop()
+
+    def _drain_when_asked(self, path: Path) -> None:
+        while not path.exists():
+            time.sleep(POLL_S)
+        self.stop()
+        done_file(path).touch()
 
 
 def _worker_addresses(grpc_address: str, metrics_address: str | None) -> dict[str, str]:
