@@ -21,6 +21,10 @@ from pathlib import Path
 from launcher.actors import ServiceActor
 
 NAMESPACE = "specdec"
+# Custom Ray resources each kind of service asks for on a cluster (a KubeRay worker group offers one of them).
+VERIFIER_RESOURCE = "verifier"
+DRAFTER_RESOURCE = "drafter"
+ROUTER_RESOURCE = "router"
 DEFAULT_STATE_FILE = Path.home() / ".specdec" / "cluster.json"
 
 
@@ -108,27 +112,27 @@ def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, time
         if deployment.verifier_gpus:
             bundles: list[dict[str, float]] = [{"GPU": 1} for _ in range(deployment.verifier_gpus)]
             if in_cluster:  # on a node of the verifier pool, not any node with enough GPUs
-                bundles[0]["verifier"] = 1
+                bundles[0][VERIFIER_RESOURCE] = 1
             group = placement_group(bundles, strategy="STRICT_PACK")
             ray.get(group.ready(), timeout=timeout_s)
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
             options = {"num_gpus": 1, "scheduling_strategy": strategy}
             if in_cluster:
-                options["resources"] = {"verifier": 1}
+                options["resources"] = {VERIFIER_RESOURCE: 1}
         elif in_cluster:
-            options = {"resources": {"verifier": 1}}
+            options = {"resources": {VERIFIER_RESOURCE: 1}}
         verifiers.append(spawn("verifier", verifier_argv(deployment), **options))
     drafters = []
     for kind in deployment.drafter_kinds:
         for _ in range(deployment.num_drafters):
             argv = drafter_argv(deployment, kind)
-            drafters.append(spawn("drafter", argv, **({"resources": {"drafter": 1}} if in_cluster else {})))
+            drafters.append(spawn("drafter", argv, **({"resources": {DRAFTER_RESOURCE: 1}} if in_cluster else {})))
     addresses = ray.get([actor.addresses.remote() for actor in verifiers + drafters], timeout=timeout_s)
     roles = ["verifier"] * len(verifiers) + ["drafter"] * len(drafters)
     for role, address in zip(roles, addresses, strict=True):
         state.workers.append({"role": role, "address": address["grpc"], "metrics": address.get("metrics", "")})
     argv = router_argv(deployment, state.workers)
-    router = spawn("router", argv, **({"resources": {"router": 1}} if in_cluster else {}))
+    router = spawn("router", argv, **({"resources": {ROUTER_RESOURCE: 1}} if in_cluster else {}))
     state.router = ray.get(router.addresses.remote(), timeout=timeout_s)
     return actors
 
