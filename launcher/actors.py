@@ -63,6 +63,10 @@ class ServiceActor:
         and ``"http"`` for the router."""
         return self._addresses
 
+    def set_workers(self, verifiers: list[str], drafters: list[str]) -> None:
+        """The router's worker set, as the supervisor sees it (a router only)."""
+        self._running.set_workers(verifiers, drafters)
+
     def stop(self) -> None:
         """Drain the service (once; later calls return at once)."""
         if self._stopped.acquire(blocking=False):

@@ -71,6 +71,10 @@ class RunningRouter:
     def grpc_address(self) -> str:
         return self.grpc_server.address
 
+    def set_workers(self, verifiers: list[str], drafters: list[str]) -> None:
+        """Serve with exactly these workers from now on (:meth:`router.workers.WorkerPool.set_workers`)."""
+        self.loop_thread.run(self.frontend.pool.set_workers(verifiers, drafters))
+
     def stop(self, grace_s: float | None = None) -> None:
         """Stop taking requests, give those in flight ``grace_s`` (default: the config's) to finish, release all."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s

@@ -54,3 +54,30 @@ def test_router_readiness_follows_verifier_health() -> None:
     finally:
         router.stop(0)
         verifier.stop(0)
+
+
+def test_router_worker_set_follows_the_supervisor() -> None:
+    """A re-placed verifier comes back at a new address: the supervisor swaps it in; none left: not ready."""
+    servers, addresses = [], []
+    for _ in range(2):
+        servicer = health.HealthServicer()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+    old, new = addresses
+    config = RouterConfig(model="m", verifiers=(old,), grpc_port=0, http_port=0, health_interval_s=3600)
+    router = start_router(config)
+    try:
+        assert [(w.address, w.healthy) for w in router.frontend.workers()] == [(old, True)]
+        router.set_workers([new], [])
+        assert [(w.address, w.healthy) for w in router.frontend.workers()] == [(new, True)]  # checked on arrival
+        assert _wait_for(router.grpc_address, READINESS_SERVICE, SERVING) == SERVING
+        router.set_workers([], [])
+        assert router.frontend.workers() == []
+        assert _wait_for(router.grpc_address, READINESS_SERVICE, NOT_SERVING) == NOT_SERVING
+    finally:
+        router.stop(0)
+        for server in servers:
+            server.stop(0)
