@@ -1,14 +1,14 @@
-"""Place the services on Ray and remember where they serve.
+"""What to place, the services' command lines, and where they serve.
 
 ``specdec up`` starts a small supervisor process (:mod:`launcher.daemon`) that owns the Ray driver:
-without ``--address`` it starts a local Ray instance, otherwise it joins the given cluster. There it
-places the verifiers (each in a placement group of ``verifier_gpus`` GPU bundles packed on one node:
-its tensor-parallel ranks; on a cluster also asking for the custom ``verifier`` resource once), the
-drafters (asking for the custom ``drafter`` resource on a cluster) and the router (asking for the custom
-``router`` resource on a cluster: on Kubernetes the pods its Service selects), then records their
-addresses (gRPC, and the URL of each one's Prometheus metrics) in a state file and waits. ``specdec down``
-signals the supervisor, which stops the services and Ray. Services bind loopback on a local instance and
-their node's address on a cluster.
+without ``--address`` it starts a local Ray instance, otherwise it joins the given cluster. There its
+:class:`launcher.supervise.Supervisor` places the verifiers (each in a placement group of ``verifier_gpus``
+GPU bundles packed on one node: its tensor-parallel ranks; on a cluster also asking for the custom
+``verifier`` resource once), the drafters (asking for the custom ``drafter`` resource on a cluster) and the
+router (asking for the custom ``router`` resource on a cluster: on Kubernetes the pods its Service selects),
+records their addresses (gRPC, and the URL of each one's Prometheus metrics) in a state file, and keeps them
+placed and scaled until ``specdec down`` signals it; then it stops the services and Ray. Services bind
+loopback on a local instance and their node's address on a cluster.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from launcher.actors import ServiceActor
 
 NAMESPACE = "specdec"
 # Custom Ray resources each kind of service asks for on a cluster (a KubeRay worker group offers one of them).
@@ -42,6 +40,14 @@ class Deployment:
     verifier_args: tuple[str, ...] = ()
     drafter_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    # Autoscaling (launcher.autoscale): the counts above are the floor; a maximum above them lets the supervisor
+    # add workers for the router's queue (verifiers) and the drafters' busy time (drafters, per kind).
+    max_verifiers: int = 0  # 0: num_verifiers (no autoscaling)
+    max_drafters: int = 0  # per kind; 0: num_drafters
+    requests_per_verifier: float = 32.0  # running + waiting requests one verifier should carry
+    drafter_utilisation: float = 0.7  # busy fraction a drafter should run at
+    scale_down_delay_s: float = 300.0  # a smaller count must be wanted this long before a worker is retired
+    reconcile_interval_s: float = 10.0  # how often the supervisor checks, re-places, scales and tells the router
 
 
 @dataclass
@@ -90,51 +96,6 @@ def router_argv(deployment: Deployment, workers: list[dict[str, str]]) -> list[s
     for worker in workers:
         argv += [f"--{worker['role']}", worker["address"]]
     return argv
-
-
-def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, timeout_s: float = 600) -> list:
-    """Start every service as a Ray actor, fill ``state`` with addresses, and return the actor handles."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    remote = ray.remote(ServiceActor)
-    actors = []
-
-    def spawn(role: str, argv: list[str], **options: object) -> object:
-        actor = remote.options(num_cpus=0, **options).remote(role, argv, in_cluster)
-        actors.append(actor)
-        return actor
-
-    verifiers = []
-    for _ in range(deployment.num_verifiers):
-        options: dict[str, object] = {}
-        if deployment.verifier_gpus:
-            bundles: list[dict[str, float]] = [{"GPU": 1} for _ in range(deployment.verifier_gpus)]
-            if in_cluster:  # on a node of the verifier pool, not any node with enough GPUs
-                bundles[0][VERIFIER_RESOURCE] = 1
-            group = placement_group(bundles, strategy="STRICT_PACK")
-            ray.get(group.ready(), timeout=timeout_s)
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-            options = {"num_gpus": 1, "scheduling_strategy": strategy}
-            if in_cluster:
-                options["resources"] = {VERIFIER_RESOURCE: 1}
-        elif in_cluster:
-            options = {"resources": {VERIFIER_RESOURCE: 1}}
-        verifiers.append(spawn("verifier", verifier_argv(deployment), **options))
-    drafters = []
-    for kind in deployment.drafter_kinds:
-        for _ in range(deployment.num_drafters):
-            argv = drafter_argv(deployment, kind)
-            drafters.append(spawn("drafter", argv, **({"resources": {DRAFTER_RESOURCE: 1}} if in_cluster else {})))
-    addresses = ray.get([actor.addresses.remote() for actor in verifiers + drafters], timeout=timeout_s)
-    roles = ["verifier"] * len(verifiers) + ["drafter"] * len(drafters)
-    for role, address in zip(roles, addresses, strict=True):
-        state.workers.append({"role": role, "address": address["grpc"], "metrics": address.get("metrics", "")})
-    argv = router_argv(deployment, state.workers)
-    router = spawn("router", argv, **({"resources": {ROUTER_RESOURCE: 1}} if in_cluster else {}))
-    state.router = ray.get(router.addresses.remote(), timeout=timeout_s)
-    return actors
 
 
 def health(address: str, timeout_s: float = 2.0) -> str:
