@@ -48,6 +48,7 @@ class Deployment:
     drafter_utilisation: float = 0.7  # busy fraction a drafter should run at
     scale_down_delay_s: float = 300.0  # a smaller count must be wanted this long before a worker is retired
     reconcile_interval_s: float = 10.0  # how often the supervisor checks, re-places, scales and tells the router
+    start_timeout_s: float = 600.0  # longest wait for the first placement (model loads, pods joining)
 
 
 @dataclass

@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
             signal.signal(signum, lambda *_: stop.set())
         supervisor = Supervisor(
-            deployment, state, in_cluster=args.address is not None, save=lambda: state.save(args.state_file)
+            deployment,
+            state,
+            in_cluster=args.address is not None,
+            save=lambda: state.save(args.state_file),
+            timeout_s=deployment.start_timeout_s,
         )
         supervisor.place()
         state.status = "ready"

@@ -320,7 +320,7 @@ def _budget(probe: dict) -> int:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_startup_budgets_cover_model_loads_and_liveness_never_fires_during_a_load(overlay: str) -> None:
+def test_startup_budgets_cover_model_loads_and_liveness_never_fires_during_a_load(overlay: str, tmp_path: Path) -> None:
     cluster = raycluster(overlay)
     gpu = any("nvidia.com/gpu" in c["resources"]["limits"] for _, c in containers(cluster))
     needed = GPU_FIRST_LOAD_S * GPU_STARTUP_FACTOR if gpu else CPU_LOAD_S * CPU_STARTUP_FACTOR
@@ -329,6 +329,8 @@ def test_startup_budgets_cover_model_loads_and_liveness_never_fires_during_a_loa
         assert _budget(probes[name]["startupProbe"]) >= (needed if name == "verifier" else needed / 3), name
     # the router is placed only after every worker serves
     assert _budget(probes["router"]["startupProbe"]) >= _budget(probes["verifier"]["startupProbe"])
+    # the supervisor waits for the first placement at least as long as the kubelet lets a verifier start
+    assert deployment(overlay, tmp_path).start_timeout_s >= _budget(probes["verifier"]["startupProbe"])
     for name, container in probes.items():
         # a loaded service whose health does not answer for a minute is restarted; not sooner
         assert _budget(container["livenessProbe"]) >= 60, name
