@@ -23,12 +23,15 @@ ROLES = ("verifier", "drafter", "router")
 class ServiceActor:
     """Serves ``role`` configured by ``argv`` (the service's own command-line arguments)."""
 
-    def __init__(self, role: str, argv: list[str], on_node_address: bool = False) -> None:
+    def __init__(self, role: str, argv: list[str], on_node_address: bool = False, world_size: int = 1) -> None:
         if on_node_address:
             import ray
 
             argv = ["--host", ray.util.get_node_ip_address(), *argv]
-        if role == "verifier":
+        if role == "verifier" and world_size > 1:
+            running: Any = TensorParallelVerifier(argv, world_size)
+            self._addresses = _worker_addresses(running.address, running.metrics_address)
+        elif role == "verifier":
             from verifier_service.config import VerifierConfig
             from verifier_service.server import start_verifier
 
@@ -49,7 +52,7 @@ class ServiceActor:
             self._addresses = {"grpc": running.grpc_address, "http": http, "metrics": f"http://{http}/metrics"}
         else:
             raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
-        self._running: Any = running
+        self._running = running
         self.role = role
         self._stopped = threading.Lock()
         if on_node_address:
@@ -77,6 +80,58 @@ class ServiceActor:
             time.sleep(POLL_S)
         self.stop()
         done_file(path).touch()
+
+
+class TensorParallelVerifier:
+    """A verifier sharded over ``world_size`` ranks: ``python -m verifier_service`` child processes of the actor,
+    which holds their GPUs (each rank takes ``cuda:rank`` of the devices Ray gave it). Rank 0 serves; its ready
+    line carries the addresses; SIGTERM to rank 0 drains it (``--grace-s``) and stops the others."""
+
+    def __init__(self, argv: list[str], world_size: int) -> None:
+        import json
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as probe:  # a free rendezvous port on this node
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size)}
+        command = [sys.executable, "-m", "verifier_service", *argv]
+        self.ranks = [
+            subprocess.Popen(
+                command,
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                text=True,
+            )
+            for rank in range(world_size)
+        ]
+        line = self.ranks[0].stdout.readline() if self.ranks[0].stdout is not None else ""
+        if not line:
+            self._kill()
+            raise RuntimeError(f"tensor-parallel verifier rank 0 exited ({self.ranks[0].wait()}) before serving")
+        ready = json.loads(line)
+        self.address: str = ready["address"]
+        self.metrics_address: str | None = ready.get("metrics")
+
+    def stop(self, timeout_s: float = 120) -> None:
+        import signal
+        import subprocess
+
+        self.ranks[0].send_signal(signal.SIGTERM)
+        try:
+            for rank in self.ranks:
+                rank.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._kill()
+
+    def _kill(self) -> None:
+        for rank in self.ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
 
 
 def _worker_addresses(grpc_address: str, metrics_address: str | None) -> dict[str, str]:

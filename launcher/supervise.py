@@ -93,8 +93,8 @@ class Supervisor:
 
     # --- placing ------------------------------------------------------------------------------------------
 
-    def _spawn(self, role: str, kind: str | None, argv: list[str], **options: object) -> Placed:
-        actor = self.remote.options(num_cpus=0, **options).remote(role, argv, self.in_cluster)
+    def _spawn(self, role: str, kind: str | None, argv: list[str], world_size: int = 1, **options: object) -> Placed:
+        actor = self.remote.options(num_cpus=0, **options).remote(role, argv, self.in_cluster, world_size)
         return Placed(role, kind, actor, pending=actor.addresses.remote())
 
     def spawn_verifier(self) -> Placed:
@@ -103,17 +103,18 @@ class Supervisor:
             from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            bundles: list[dict[str, float]] = [{"GPU": 1} for _ in range(d.verifier_gpus)]
+            # one bundle of all the verifier's GPUs: one node, and one actor that holds them for its ranks
+            bundle: dict[str, float] = {"GPU": d.verifier_gpus}
             if self.in_cluster:  # on a node of the verifier pool, not any node with enough GPUs
-                bundles[0][VERIFIER_RESOURCE] = 1
-            group = placement_group(bundles, strategy="STRICT_PACK")
+                bundle[VERIFIER_RESOURCE] = 1
+            group = placement_group([bundle], strategy="STRICT_PACK")
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-            options = {"num_gpus": 1, "scheduling_strategy": strategy}
+            options = {"num_gpus": d.verifier_gpus, "scheduling_strategy": strategy}
             if self.in_cluster:
                 options["resources"] = {VERIFIER_RESOURCE: 1}
         elif self.in_cluster:
             options = {"resources": {VERIFIER_RESOURCE: 1}}
-        placed = self._spawn("verifier", None, verifier_argv(d), **options)
+        placed = self._spawn("verifier", None, verifier_argv(d), max(1, d.verifier_gpus), **options)
         placed.group = group
         return placed
 

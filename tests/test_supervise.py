@@ -66,7 +66,9 @@ class FakeRay:
 
         class Options:
             def options(self, **options: object) -> object:
-                return types.SimpleNamespace(remote=lambda role, argv, in_cluster: fake._new(role, argv, options))
+                return types.SimpleNamespace(
+                    remote=lambda role, argv, in_cluster, world_size=1: fake._new(role, argv, options)
+                )
 
         return Options()
 
@@ -172,3 +174,26 @@ def test_scaling_rule() -> None:
     assert hysteresis.decide(current=3, target=3, now=60) == 3  # a break resets the clock
     assert hysteresis.decide(current=3, target=1, now=61) == 3
     assert hysteresis.decide(current=3, target=1, now=121) == 1
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_verifier_actor_serves_through_its_ranks(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a verifier actor with ``verifier_gpus`` > 1 runs: that many ranks (gloo on CPU here), rank 0 serving."""
+    from launcher.actors import ServiceActor
+    from launcher.cluster import health
+    from tests.tiny_models import tiny_llama
+
+    tiny_llama(seed=21, vocab_size=8, num_layers=2).model.save_pretrained(tmp_path)  # 2 KV heads: splits in two
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    actor = ServiceActor("verifier", ["--model", str(tmp_path), "--port", "0", "--torch-threads", "1"], world_size=2)
+    ranks = actor._running.ranks
+    try:
+        assert len(ranks) == 2 and all(rank.poll() is None for rank in ranks)
+        assert health(actor.addresses()["grpc"]) == "SERVING"
+        actor.stop()
+        assert [rank.wait(timeout=60) for rank in ranks] == [0, 0]  # rank 0 drained, the follower followed
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
