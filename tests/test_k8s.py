@@ -399,6 +399,10 @@ def test_gpu_groups_match_the_deployment_and_tensor_parallel_pods_have_shm(overl
             assert {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG"} <= {e["name"] for c in pod_containers for e in c["env"]}
             assert group["template"]["spec"].get("nodeSelector") and group["template"]["spec"].get("tolerations")
     assert int(by_group["verifier"]["rayStartParams"]["num-gpus"]) == dep.verifier_gpus
+    for name, group in by_group.items():  # Ray's object store fits in /dev/shm, with room left (NCCL uses it too)
+        [shm] = [v for v in group["template"]["spec"]["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+        store = int(group["rayStartParams"]["object-store-memory"])
+        assert store <= _bytes(shm["emptyDir"]["sizeLimit"]) / 2, name
     # the head runs no work: no GPUs, no CPUs for tasks
     head = by_group["head"]
     assert head["rayStartParams"]["num-gpus"] == "0" and head["rayStartParams"]["num-cpus"] == "0"
@@ -422,6 +426,15 @@ def test_gpu_groups_match_the_deployment_and_tensor_parallel_pods_have_shm(overl
         assert group["maxReplicas"] >= ceiling[name], name
     assert cluster["spec"]["enableInTreeAutoscaling"] is True
     assert cluster["spec"]["rayVersion"] == version("ray")
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes binary quantity (``512Mi``, ``64Gi``) or plain bytes."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity.removesuffix(suffix)) * factor
+    return int(quantity)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
