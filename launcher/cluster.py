@@ -3,12 +3,13 @@
 ``specdec up`` starts a small supervisor process (:mod:`launcher.daemon`) that owns the Ray driver:
 without ``--address`` it starts a local Ray instance, otherwise it joins the given cluster. There its
 :class:`launcher.supervise.Supervisor` places the verifiers (each in a placement group of one bundle of
-``verifier_gpus`` GPUs on one node, held by an actor whose child processes are its tensor-parallel ranks; on a
-cluster also asking for the custom ``verifier`` resource), the drafters (asking for the custom ``drafter`` resource on a cluster) and the
-router (asking for the custom ``router`` resource on a cluster: on Kubernetes the pods its Service selects),
-records their addresses (gRPC, and the URL of each one's Prometheus metrics) in a state file, and keeps them
-placed and scaled until ``specdec down`` signals it; then it stops the services and Ray. Services bind
-loopback on a local instance and their node's address on a cluster.
+``verifier_gpus`` GPUs on one node, held by an actor whose child processes are its tensor-parallel ranks;
+on a cluster also asking for the custom ``verifier`` resource), the drafters (asking for the custom
+``drafter`` resource on a cluster) and the router (asking for the custom ``router`` resource on a cluster:
+on Kubernetes the pods its Service selects), records their addresses (gRPC, and the URL of each one's
+Prometheus metrics) in a state file, and keeps them placed and scaled until ``specdec down`` signals it;
+then it stops the services and Ray. Services bind loopback on a local instance and their node's address
+on a cluster.
 """
 
 from __future__ import annotations
