@@ -1,5 +1,6 @@
 """``python -m grpc_common.probe HOST:PORT [--tls-cert C --tls-key K --tls-ca CA [--tls-server-name N]]``: one
-grpc.health.v1 check, exit status 0 when the service answers SERVING, 1 otherwise (the status on stdout).
+grpc.health.v1 check, exit status 0 when the service answers SERVING, 1 otherwise (the status on stdout). ``:PORT``
+dials this host's own address (what its host name resolves to: in a pod, the pod IP its services bind).
 
 Kubernetes' own gRPC probes cannot speak TLS, so a service with ``--tls-*`` is probed with this command (an exec
 probe) instead; the TLS flags and their ``SPECDEC_PROBE_TLS_*`` env fallbacks are the services' own
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -49,7 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidArgumentError as error:
         print(f"probe: {error}", file=sys.stderr)
         return 2
-    status = check_health(values["address"], tls, values["timeout_s"], values["service"])
+    address = values["address"]
+    if address.startswith(":"):
+        address = socket.gethostbyname(socket.gethostname()) + address
+    status = check_health(address, tls, values["timeout_s"], values["service"])
     print(status)
     return 0 if status == "SERVING" else 1
 

@@ -31,6 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
     up = subparsers.add_parser("up", help="start router, drafters and verifiers on Ray, return when all serve")
     up.add_argument("--address", help="existing Ray cluster (default: start a local one)")
     up.add_argument("--config", type=Path, help="TOML file with any of the options below")
+    up.add_argument(
+        "--foreground",
+        action="store_true",
+        help="become the supervisor instead of starting it in the background (a container's main process: "
+        "SIGTERM stops the services)",
+    )
     up.add_argument("--target", help="target model (default smollm2-135m)")
     up.add_argument(
         "--drafter-kind",
@@ -76,7 +82,8 @@ def deployment_from(args: argparse.Namespace) -> Deployment:
 
 def up(args: argparse.Namespace, path: Path) -> dict:
     """Start the supervisor and wait until it reports the services ready (or failed)."""
-    if path.exists():
+    foreground = getattr(args, "foreground", False)
+    if path.exists() and not foreground:  # a restarted container's supervisor replaces its predecessor's record
         raise ValueError(f"a deployment is already recorded in {path}; run `specdec down` first")
     command = [sys.executable, "-m", "launcher.daemon", "--state-file", str(path)]
     command += ["--deployment", json.dumps(asdict(deployment_from(args)))]
@@ -85,6 +92,8 @@ def up(args: argparse.Namespace, path: Path) -> dict:
     if args.num_cpus:
         command += ["--num-cpus", str(args.num_cpus)]
     path.parent.mkdir(parents=True, exist_ok=True)
+    if foreground:
+        os.execv(sys.executable, command)  # never returns
     with open(path.with_suffix(".log"), "ab") as log:
         supervisor = subprocess.Popen(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + UP_TIMEOUT_S

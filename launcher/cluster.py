@@ -1,14 +1,18 @@
-"""Place the services on Ray and remember where they serve.
+"""What to place, the services' command lines, and where they serve.
 
 ``specdec up`` starts a small supervisor process (:mod:`launcher.daemon`) that owns the Ray driver:
-without ``--address`` it starts a local Ray instance, otherwise it joins the given cluster. There it
-places the verifiers (each in a placement group of ``verifier_gpus`` GPU bundles packed on one node:
-its tensor-parallel ranks), the drafters (asking for the custom ``drafter`` resource on a cluster)
-and the router, then records their addresses (gRPC, and the URL of each one's Prometheus metrics) in
-a state file and waits. ``specdec down`` signals the supervisor, which stops the services and Ray.
-Services bind loopback unless told otherwise. With ``tls_dir`` (``specdec up --tls-dir DIR``, layout in
-:class:`TlsDir`) every service gets ``--tls-cert`` / ``--tls-key`` / ``--tls-ca``: all gRPC traffic is mutual TLS and
-the router's HTTP port serves HTTPS; metrics ports of the workers stay plain HTTP.
+without ``--address`` it starts a local Ray instance, otherwise it joins the given cluster. There its
+:class:`launcher.supervise.Supervisor` places the verifiers (each in a placement group of one bundle of
+``verifier_gpus`` GPUs on one node, held by an actor whose child processes are its tensor-parallel ranks;
+on a cluster also asking for the custom ``verifier`` resource), the drafters (asking for the custom
+``drafter`` resource on a cluster) and the router (asking for the custom ``router`` resource on a cluster:
+on Kubernetes the pods its Service selects), records their addresses (gRPC, and the URL of each one's
+Prometheus metrics) in a state file, and keeps them placed and scaled until ``specdec down`` signals it;
+then it stops the services and Ray. Services bind loopback on a local instance and their node's address
+on a cluster.
+With ``tls_dir`` (``specdec up --tls-dir DIR``, layout in :class:`TlsDir`) every service gets ``--tls-cert`` /
+``--tls-key`` / ``--tls-ca``: all gRPC traffic is mutual TLS and the router's HTTP port serves HTTPS; metrics ports
+of the workers stay plain HTTP.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launcher.actors import ServiceActor
-
 if TYPE_CHECKING:
     from grpc_common.tls import TlsConfig
 
 NAMESPACE = "specdec"
+# Custom Ray resources each kind of service asks for on a cluster (a KubeRay worker group offers one of them).
+VERIFIER_RESOURCE = "verifier"
+DRAFTER_RESOURCE = "drafter"
+ROUTER_RESOURCE = "router"
 DEFAULT_STATE_FILE = Path.home() / ".specdec" / "cluster.json"
 
 
@@ -88,6 +94,15 @@ class Deployment:
     drafter_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     tls_dir: str | None = None  # absolute; see TlsDir
+    # Autoscaling (launcher.autoscale): the counts above are the floor; a maximum above them lets the supervisor
+    # add workers for the router's queue (verifiers) and the drafters' busy time (drafters, per kind).
+    max_verifiers: int = 0  # 0: num_verifiers (no autoscaling)
+    max_drafters: int = 0  # per kind; 0: num_drafters
+    requests_per_verifier: float = 32.0  # running + waiting requests one verifier should carry
+    drafter_utilisation: float = 0.7  # busy fraction a drafter should run at
+    scale_down_delay_s: float = 300.0  # a smaller count must be wanted this long before a worker is retired
+    reconcile_interval_s: float = 10.0  # how often the supervisor checks, re-places, scales and tells the router
+    start_timeout_s: float = 600.0  # longest wait for the first placement (model loads, pods joining)
 
 
 @dataclass
@@ -115,52 +130,35 @@ class ClusterState:
         return cls(**json.loads(path.read_text()))
 
 
-def place(deployment: Deployment, state: ClusterState, *, in_cluster: bool, timeout_s: float = 600) -> list:
-    """Start every service as a Ray actor, fill ``state`` with addresses, and return the actor handles."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+def tls_argv(deployment: Deployment) -> list[str]:
+    """Every service's TLS flags (none without ``tls_dir``), put before the per-role arguments so those still win."""
+    return TlsDir(Path(deployment.tls_dir)).service_arguments() if deployment.tls_dir else []
 
-    remote = ray.remote(ServiceActor)
-    actors = []
-    # before the per-role extra arguments, so that those still win
-    tls = TlsDir(Path(deployment.tls_dir)).service_arguments() if deployment.tls_dir else []
-    state.tls_dir = deployment.tls_dir or ""
 
-    def spawn(role: str, argv: list[str], **options: object) -> object:
-        actor = remote.options(num_cpus=0, **options).remote(role, argv)
-        actors.append(actor)
-        return actor
+def verifier_argv(deployment: Deployment) -> list[str]:
+    """A verifier's command line: metrics on a free port unless ``verifier_args`` say otherwise (later flags win)."""
+    return ["--model", deployment.target, "--metrics-port", "0", *tls_argv(deployment), *deployment.verifier_args]
 
-    verifiers = []
-    for _ in range(deployment.num_verifiers):
-        options: dict[str, object] = {}
-        if deployment.verifier_gpus:
-            group = placement_group([{"GPU": 1}] * deployment.verifier_gpus, strategy="STRICT_PACK")
-            ray.get(group.ready(), timeout=timeout_s)
-            options = {"num_gpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(group)}
-        argv = ["--model", deployment.target, "--metrics-port", "0", *tls, *deployment.verifier_args]
-        verifiers.append(spawn("verifier", argv, **options))
-    drafters = []
-    for kind in deployment.drafter_kinds:
-        for _ in range(deployment.num_drafters):
-            argv = ["--kind", kind, "--target", deployment.target, "--metrics-port", "0", *tls]
-            argv += deployment.drafter_args
-            if kind == "model":
-                argv += ["--draft-model", deployment.draft_model or deployment.target]
-            if kind == "eagle" and deployment.eagle_head:
-                argv += ["--draft-model", deployment.eagle_head]
-            drafters.append(spawn("drafter", argv, **({"resources": {"drafter": 1}} if in_cluster else {})))
-    addresses = ray.get([actor.addresses.remote() for actor in verifiers + drafters], timeout=timeout_s)
-    roles = ["verifier"] * len(verifiers) + ["drafter"] * len(drafters)
-    # Free ports unless the deployment's router arguments say otherwise (later flags win).
-    router_argv = ["--model", deployment.target, "--grpc-port", "0", "--http-port", "0", *tls, *deployment.router_args]
-    for role, address in zip(roles, addresses, strict=True):
-        router_argv += [f"--{role}", address["grpc"]]
-        state.workers.append({"role": role, "address": address["grpc"], "metrics": address.get("metrics", "")})
-    router = spawn("router", router_argv)
-    state.router = ray.get(router.addresses.remote(), timeout=timeout_s)
-    return actors
+
+def drafter_argv(deployment: Deployment, kind: str) -> list[str]:
+    """A drafter's command line for ``kind``, metrics on a free port unless ``drafter_args`` say otherwise."""
+    argv = ["--kind", kind, "--target", deployment.target, "--metrics-port", "0", *tls_argv(deployment)]
+    argv += deployment.drafter_args
+    if kind == "model":
+        argv += ["--draft-model", deployment.draft_model or deployment.target]
+    if kind == "eagle" and deployment.eagle_head:
+        argv += ["--draft-model", deployment.eagle_head]
+    return argv
+
+
+def router_argv(deployment: Deployment, workers: list[dict[str, str]]) -> list[str]:
+    """The router's command line over ``workers`` (``{"role", "address"}``): free ports unless ``router_args``
+    say otherwise."""
+    argv = ["--model", deployment.target, "--grpc-port", "0", "--http-port", "0", *tls_argv(deployment)]
+    argv += deployment.router_args
+    for worker in workers:
+        argv += [f"--{worker['role']}", worker["address"]]
+    return argv
 
 
 def health(address: str, tls_dir: str = "", timeout_s: float = 2.0) -> str:

@@ -1,22 +1,24 @@
 """The supervisor ``specdec up`` leaves running: owns the Ray driver and the service actors.
 
 It records progress in the state file (``starting`` → ``ready`` with addresses, or ``failed``),
-then sleeps until SIGTERM/SIGINT, when it stops the services (gracefully, then by killing the
+then reconciles every ``reconcile_interval_s`` (:meth:`launcher.supervise.Supervisor.reconcile`: re-place dead
+workers, scale, keep the router told) until SIGTERM/SIGINT, when it stops the services (gracefully, then by killing the
 actors), shuts Ray down (and with it a local instance it started) and removes the state file.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import logging
 import os
 import signal
 import threading
 import traceback
 from pathlib import Path
 
-from launcher.cluster import NAMESPACE, ClusterState, Deployment, place
+from launcher.cluster import NAMESPACE, ClusterState, Deployment
+from launcher.supervise import Supervisor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    actors: list = []
+    supervisor: Supervisor | None = None
     try:
         context = ray.init(
             address=args.address,
@@ -45,19 +47,28 @@ def main(argv: list[str] | None = None) -> int:
         state.ray_address = context.address_info.get("gcs_address", args.address or "")
         for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
             signal.signal(signum, lambda *_: stop.set())
-        actors = place(deployment, state, in_cluster=args.address is not None)
+        supervisor = Supervisor(
+            deployment,
+            state,
+            in_cluster=args.address is not None,
+            save=lambda: state.save(args.state_file),
+            timeout_s=deployment.start_timeout_s,
+        )
+        supervisor.place()
         state.status = "ready"
         state.save(args.state_file)
-        stop.wait()
+        while not stop.wait(deployment.reconcile_interval_s):
+            try:
+                supervisor.reconcile()
+            except Exception:  # one bad pass (a Ray hiccup) must not end the supervision
+                logging.exception("reconcile failed")
     except Exception:
         state.status, state.error = "failed", traceback.format_exc()
         state.save(args.state_file)
         return 1
     finally:
-        for actor in reversed(actors):
-            with contextlib.suppress(Exception):  # a dead or wedged actor is killed all the same
-                ray.get(actor.stop.remote(), timeout=30)
-            ray.kill(actor)
+        if supervisor is not None:
+            supervisor.stop()
         ray.shutdown()
         if state.status == "ready":
             args.state_file.unlink(missing_ok=True)

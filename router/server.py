@@ -1,10 +1,15 @@
 """Process wiring: the router's event loop, its worker pool, the public gRPC server and the HTTP server.
 
 ``start_router(config)`` returns a :class:`RunningRouter` once both servers accept requests; tests use it
-in-process. Everything runs on one asyncio loop in a background thread: worker calls (``grpc.aio`` clients), the
-public gRPC server (``grpc.aio``, with ``grpc.health.v1``) and aiohttp's HTTP server; with TLS configured, the
-worker channels are mutual TLS and both public servers serve TLS (:mod:`grpc_common.tls`). No thread per stream: one
-loop holds a thousand concurrent streams.
+in-process. Its ``grpc.health.v1`` answers two questions: the overall service ``""`` (:data:`LIVENESS_SERVICE`) is
+SERVING while the process serves, until it drains; ``specdec.v1.Router`` (:data:`READINESS_SERVICE`) is SERVING
+only while at least one verifier is healthy (what ``GET /health`` says too), so a Kubernetes readiness probe on it
+keeps a router that cannot serve out of its Service without a liveness probe restarting it.
+
+Everything runs on one asyncio loop in a background thread: worker calls (``grpc.aio`` clients), the public gRPC
+server (``grpc.aio``, with ``grpc.health.v1``) and aiohttp's HTTP server; with TLS configured, the worker channels
+are mutual TLS and both public servers serve TLS (:mod:`grpc_common.tls`). No thread per stream: one loop holds a
+thousand concurrent streams.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
+from grpc_health.v1 import health_pb2
 from transformers import PreTrainedTokenizerBase
 
 from grpc_common.server import RunningAioServer, start_aio_server
@@ -30,6 +36,9 @@ from specdec.models import load_tokenizer
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
+
+LIVENESS_SERVICE = ""  # grpc.health.v1 service name: the process serves (until it drains)
+READINESS_SERVICE = SERVICE_NAME  # grpc.health.v1 service name: the router can serve a request now
 
 
 class EventLoopThread:
@@ -63,6 +72,10 @@ class RunningRouter:
     @property
     def grpc_address(self) -> str:
         return self.grpc_server.address
+
+    def set_workers(self, verifiers: list[str], drafters: list[str]) -> None:
+        """Serve with exactly these workers from now on (:meth:`router.workers.WorkerPool.set_workers`)."""
+        self.loop_thread.run(self.frontend.pool.set_workers(verifiers, drafters))
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop taking requests, give those in flight ``grace_s`` (default: the config's) to finish, release all."""
@@ -103,18 +116,37 @@ def start_router(
         grpc_server = loop_thread.run(
             start_aio_server(
                 lambda server: add_to_server(RouterServicer(frontend), server),
-                [SERVICE_NAME],
+                [READINESS_SERVICE],
                 host=config.host,
                 port=config.grpc_port,
                 tls=config.tls,
                 require_client_auth=config.tls_public_client_auth,
             )
         )
+        loop_thread.run(_publish_readiness(frontend, grpc_server))
     except BaseException:
         loop_thread.stop()
         raise
     LOG.info("router serving %s: gRPC %s, HTTP %s", config.model, grpc_server.address, http_address)
     return RunningRouter(config, frontend, grpc_server, http_runner, http_address, loop_thread)
+
+
+async def _publish_readiness(frontend: Frontend, grpc_server: RunningAioServer) -> None:
+    """Set :data:`READINESS_SERVICE` from ``frontend.ready()`` now and whenever a worker enters or leaves rotation."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task[None]] = set()
+
+    async def publish() -> None:
+        await grpc_server.health.set(READINESS_SERVICE, serving if frontend.ready() else not_serving)
+
+    def changed() -> None:
+        task = loop.create_task(publish())
+        pending.add(task)  # keep a reference until it ran
+        task.add_done_callback(pending.discard)
+
+    frontend.pool.on_health_change = changed
+    await publish()
 
 
 async def _start_http(frontend: Frontend) -> tuple[web.AppRunner, str]:

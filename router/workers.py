@@ -296,30 +296,56 @@ class WorkerPool:
         self.verifiers = verifiers
         self._health_task: asyncio.Task[None] | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
+        # called (on the loop) whenever a worker enters or leaves rotation; the router republishes its readiness
+        self.on_health_change: Callable[[], None] | None = None
 
     @classmethod
     async def start(cls, config: RouterConfig) -> WorkerPool:
         """Open a channel per worker (mutual TLS with ``config.tls``: calls and health checks alike), check every
         worker once, then keep checking in the background."""
+        pool = cls(config, [], [])
+        pool.drafters = [GrpcDrafter(pool._worker("drafter", address)) for address in config.drafters]
+        pool.verifiers = [GrpcVerifier(pool._worker("verifier", address)) for address in config.verifiers]
+        await pool.check_health()
+        pool._health_task = asyncio.ensure_future(pool._health_loop())
+        pool._keepalive_task = asyncio.ensure_future(pool._keepalive_loop())
+        return pool
+
+    def _worker(self, role: str, address: str) -> Worker:
         options = [
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             # a restarted worker is dialled again within a couple of seconds, not gRPC's default two minutes
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
+        deadline_s = self.config.verifier_deadline_s if role == "verifier" else self.config.drafter_deadline_s
+        return Worker(role, address, aio_channel(address, self.config.tls, options), deadline_s)
 
-        def worker(role: str, address: str, deadline_s: float) -> Worker:
-            return Worker(role, address, aio_channel(address, config.tls, options), deadline_s)
-
-        pool = cls(
-            config,
-            [GrpcDrafter(worker("drafter", a, config.drafter_deadline_s)) for a in config.drafters],
-            [GrpcVerifier(worker("verifier", a, config.verifier_deadline_s)) for a in config.verifiers],
-        )
-        await pool.check_health()
-        pool._health_task = asyncio.ensure_future(pool._health_loop())
-        pool._keepalive_task = asyncio.ensure_future(pool._keepalive_loop())
-        return pool
+    async def set_workers(self, verifiers: Sequence[str], drafters: Sequence[str]) -> None:
+        """Make the worker set exactly these addresses (a supervisor re-placed or scaled workers): new ones are
+        checked once before they take requests; removed ones leave rotation and their channels close (requests
+        still on them fail over as on any worker failure)."""
+        added: list[GrpcDrafter | GrpcVerifier] = []
+        removed: list[GrpcDrafter | GrpcVerifier] = []
+        for role, wanted, clients, make in (
+            ("verifier", verifiers, self.verifiers, GrpcVerifier),
+            ("drafter", drafters, self.drafters, GrpcDrafter),
+        ):
+            present = {client.address for client in clients}
+            removed += [client for client in clients if client.address not in wanted]
+            clients[:] = [client for client in clients if client.address in wanted]
+            for address in dict.fromkeys(wanted):
+                if address not in present:
+                    client = make(self._worker(role, address))
+                    clients.append(client)
+                    added.append(client)
+        for client in removed:
+            client.worker.healthy = False
+        await asyncio.gather(*(self._check(client) for client in added))
+        await asyncio.gather(*(client.worker.channel.close(grace=None) for client in removed))
+        if added or removed:
+            LOG.info("worker set: +%s -%s", [c.address for c in added], [c.address for c in removed])
+            self._health_changed()
 
     async def stop_health_checks(self) -> None:
         """Stop the background checks and lease renewals."""
@@ -377,6 +403,7 @@ class WorkerPool:
             return
         LOG.warning("%s %s marked unhealthy: %s", record.role, worker.address, error)
         record.healthy = False
+        self._health_changed()
 
     def drafter_kinds(self) -> frozenset[str]:
         """Kinds the drafters serve; empty while some drafter's kind is unknown (it has never answered)."""
@@ -420,7 +447,12 @@ class WorkerPool:
             return
         if serving != worker.healthy:
             LOG.info("%s %s is %s", worker.role, worker.address, "healthy" if serving else "unhealthy")
-        worker.healthy = serving
+            worker.healthy = serving
+            self._health_changed()
+
+    def _health_changed(self) -> None:
+        if self.on_health_change is not None:
+            self.on_health_change()
 
     async def _health_loop(self) -> None:
         while True:

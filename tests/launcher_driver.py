@@ -1,4 +1,5 @@
-"""Run inside a private network namespace by tests/test_launcher.py: up, generate, status, down.
+"""Run inside a private network namespace by tests/test_launcher.py (and tests/test_k8s.py with ``--config FILE``):
+up, generate, status, down.
 
 Prints one JSON object: the router's addresses, greedy token ids per drafter kind and speculation
 mode through the SDK, the HTTP completion's text, `specdec status --json`, and whether `down`
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 import urllib.request
 
 from specdec.client import Client
@@ -28,9 +30,16 @@ def specdec(*args: str) -> str:
 
 
 def main() -> None:
-    kinds = sys.argv[1:]
-    drafter_flags = [flag for kind in kinds for flag in ("--drafter-kind", kind)]
-    up = json.loads(specdec("up", "--num-cpus", "2", *drafter_flags, "--verifier-arg=--torch-threads=1"))
+    if sys.argv[1:2] == ["--config"]:  # the deployment of a TOML file (e.g. a Kubernetes overlay's ConfigMap)
+        config = sys.argv[2]
+        with open(config, "rb") as file:
+            kinds = list(tomllib.load(file).get("drafter_kinds", ["ngram"]))
+        up_flags = ["--config", config]
+    else:
+        kinds = sys.argv[1:]
+        drafter_flags = [flag for kind in kinds for flag in ("--drafter-kind", kind)]
+        up_flags = [*drafter_flags, "--verifier-arg=--torch-threads=1"]
+    up = json.loads(specdec("up", "--num-cpus", "2", *up_flags))
     report: dict = {"up": up, "sdk": {}}
     try:
         with Client(up["router"]["grpc"], timeout_s=300) as client:
