@@ -17,7 +17,6 @@ import argparse
 import copy
 import functools
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -46,6 +45,7 @@ from launcher.cluster import (
 )
 from router.config import RouterConfig
 from router.server import LIVENESS_SERVICE, READINESS_SERVICE
+from tests.test_launcher import _can_isolate_network, run_isolated_driver
 from verifier_service.config import VerifierConfig
 from verifier_service.server import SERVICE_NAME as VERIFIER_SERVICE
 
@@ -586,32 +586,13 @@ def test_drain_file_stops_the_service_and_reports_it(tmp_path: Path) -> None:
     assert stopped.is_set()
 
 
-def _can_isolate_network() -> bool:
-    from tests.test_launcher import _can_isolate_network as can
-
-    return can()
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not _can_isolate_network(), reason="needs `unshare -n` (root) to keep Ray on loopback")
 def test_cpu_smoke_config_map_brings_up_the_same_topology_locally(tmp_path: Path) -> None:
     """The cpu-smoke ConfigMap's TOML, as is, through `specdec up --config` (tests/launcher_driver.py)."""
     dep = deployment("overlays/cpu-smoke", tmp_path)
     config = tmp_path / "overlays-cpu-smoke.toml"
-    env = {
-        **os.environ,
-        "SPECDEC_STATE_FILE": str(tmp_path / "cluster.json"),
-        "HF_HUB_OFFLINE": "1",
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "PYTHONPATH": str(ROOT),
-    }
-    script = f"ip link set lo up && exec {sys.executable} -m tests.launcher_driver --config {config}"
-    run = subprocess.run(
-        ["unshare", "-n", "bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = run_isolated_driver(f"--config {config}", tmp_path, timeout_s=900)
     served = _ports("overlays/cpu-smoke", dep)
     status = report["status"]
     # the ports the manifests' probes, Services and monitors name are the ones the services bound

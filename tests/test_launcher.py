@@ -31,9 +31,9 @@ def _can_isolate_network() -> bool:
     return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not _can_isolate_network(), reason="needs `unshare -n` (root) to keep Ray on loopback")
-def test_up_generate_status_down(tmp_path: Path) -> None:
+def run_isolated_driver(arguments: str, tmp_path: Path, timeout_s: float) -> dict:
+    """``tests/launcher_driver.py ARGUMENTS`` in a private network namespace with only loopback up (its state file
+    under ``tmp_path``); returns the JSON report it prints."""
     env = {
         **os.environ,
         "SPECDEC_STATE_FILE": str(tmp_path / "cluster.json"),
@@ -42,12 +42,18 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONPATH": str(ROOT),
     }
-    script = f"ip link set lo up && exec {sys.executable} -m tests.launcher_driver ngram early-exit model"
+    script = f"ip link set lo up && exec {sys.executable} -m tests.launcher_driver {arguments}"
     run = subprocess.run(
-        ["unshare", "-n", "bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
+        ["unshare", "-n", "bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_isolate_network(), reason="needs `unshare -n` (root) to keep Ray on loopback")
+def test_up_generate_status_down(tmp_path: Path) -> None:
+    report = run_isolated_driver("ngram early-exit model", tmp_path, timeout_s=1500)
 
     target = smollm2()
     engine = Engine(KVRunner(target.model), target.eos_token_ids)
