@@ -34,10 +34,13 @@ class SettableHealth(health_pb2_grpc.HealthServicer):
         return health_pb2.HealthCheckResponse(status=self.status)
 
 
-async def _health_rounds() -> list[bool]:
-    health = SettableHealth()
+async def _pool_over(health: SettableHealth, verifier: verifier_pb2_grpc.VerifierServicer | None = None):
+    """A loopback gRPC server with ``health`` (and ``verifier``) and a router pool over it as its one verifier,
+    checking health only when told, ejecting after 3 timeouts in a row; returns (server, pool)."""
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if verifier is not None:
+        verifier_pb2_grpc.add_VerifierServicer_to_server(verifier, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     config = RouterConfig(
@@ -47,7 +50,12 @@ async def _health_rounds() -> list[bool]:
         health_interval_s=3600,
         health_timeouts_to_eject=3,
     )
-    pool = await WorkerPool.start(config)
+    return server, await WorkerPool.start(config)
+
+
+async def _health_rounds() -> list[bool]:
+    health = SettableHealth()
+    server, pool = await _pool_over(health)
     [worker] = pool.workers()
     seen = [worker.healthy]
 
@@ -95,19 +103,7 @@ class LateVerifier(verifier_pb2_grpc.VerifierServicer):
 
 async def _slow_calls() -> list[bool]:
     health, verifier = SettableHealth(), LateVerifier()
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    verifier_pb2_grpc.add_VerifierServicer_to_server(verifier, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    config = RouterConfig(
-        model="m",
-        verifiers=(f"127.0.0.1:{port}",),
-        verifier_deadline_s=DEADLINE_S,
-        health_interval_s=3600,
-        health_timeouts_to_eject=3,
-    )
-    pool = await WorkerPool.start(config)
+    server, pool = await _pool_over(health, verifier)
     [client] = pool.verifiers
     seen = []
 
