@@ -72,18 +72,13 @@ class DraftShape:
     tree_width: int = 1
     tree_budget: int = 0
 
-    @property
-    def is_chain(self) -> bool:
-        return self.tree_width <= 1
-
 
 @dataclass(frozen=True)
 class Plan:
     """A validated request, ready for the round loop.
 
-    ``mode`` is the speculation actually used: pipelining needs a chain (a tree's assumed path is the drafter's
-    guess, which the router cannot check against the verdict), so a tree request runs ``"sequential"``.
-    ``drafter_kind`` is ``None`` for any kind. ``eos_token_ids`` only tells "stop" from "length" when EOS is
+    ``mode`` is the speculation asked for (or the server's default); trees pipeline like chains.
+    ``drafter_kind is ``None`` for any kind. ``eos_token_ids`` only tells "stop" from "length" when EOS is
     the last token the budget allows; the verifier decides when generation ends.
     """
 
@@ -154,7 +149,7 @@ def plan_request(
         stop=request.stop,
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs,
-        mode="sequential" if mode == "pipelined" and not shape.is_chain else mode,
+        mode=mode,
         drafter_kind=kind,
         shape=shape,
         eos_token_ids=frozenset() if request.ignore_eos else eos,
