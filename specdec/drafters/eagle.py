@@ -60,6 +60,7 @@ class _Sequence(SampledSequence):
     committed: int = 0  # head positions with KV (1 .. committed), each read from a true feature
     features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [capacity, hidden]
     num_features: int = 0  # true features F_0 .. F_(num_features - 1)
+    fresh_from: int | None = None  # rows from here on were given since the last resync: for the text that comes
     predicted: dict[int, torch.Tensor] = field(default_factory=dict)  # text position -> the head's g there
 
 
@@ -150,6 +151,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         if start < state.num_features and state.committed > start:  # re-sent rows: head KV read the old ones
             state.committed = start
         state.num_features = max(state.num_features, end)
+        state.fresh_from = start if state.fresh_from is None else min(state.fresh_from, start)
 
     @torch.inference_mode()
     def propose(self, handles: list[int], max_tokens: list[int], stop: StopCheck | None = None) -> list[Proposal]:
@@ -307,8 +309,12 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     def _resync(self, state: _Sequence, text: list[int], path: list[int] | None) -> None:
         drafted, state.outstanding = state.outstanding, None
         agree = common_prefix_length(state.text, text)
-        # F_p depends on t_0 .. t_p; rows past the old text came for this new text (given before the commit)
-        state.num_features = min(state.num_features, len(text) if agree == len(state.text) else agree)
+        # F_p depends on t_0 .. t_p. Rows given since the last resync came for this new text (before its commit),
+        # even past where it leaves the old one (a tree's verdict on another leaf than the assumed one); older rows
+        # hold only up to ``agree``.
+        fresh = agree == len(state.text) or (state.fresh_from is not None and state.fresh_from <= agree)
+        state.num_features = min(state.num_features, len(text) if fresh else agree)
+        state.fresh_from = None
         state.committed = min(state.committed, max(agree - 1, 0), state.num_features)
         state.predicted = {p: g for p, g in state.predicted.items() if state.num_features <= p < agree}
         if path and isinstance(drafted, _Drafted) and drafted.base_length == len(state.text) <= agree:
