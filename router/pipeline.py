@@ -24,11 +24,12 @@ The verdict selects one of them or none (:mod:`router.predraft`, which also give
 * a **pipeline hit** (the assumed path accepted with the bonus deferred, or a guessed rejection verdict): the
   selected proposal goes to the verifier at once; while that verification runs, the drafter is told
   ``Commit(base_length, emitted)`` (which confirms its assumption, or selects the pre-drafted rejection outcome)
-  and asked for the next pre-draft the same way, in one message.
+  and, once that is acknowledged, asked for the next pre-draft the same way.
 * a **pipeline miss**: the router does not wait for the pre-draft. The Commit of the verdict goes out with the next
   proposal request at once, carrying ``cancel_through``: the drafter stops the pre-draft (queued or mid-draft),
   answers it CANCELLED and rolls its state back to the committed prefix before it drafts afresh. The abandoned
-  call is kept alive in the background; nothing waits for it, and its answer is ignored.
+  call is kept alive in the background; nothing waits for it, and its answer is ignored. (Only the Commit sent
+  before it must have been acknowledged, so that the new Commit cannot overtake it on another connection.)
 
 Every emitted token comes from the verifier's rule, so pipelining never changes the output distribution.
 
@@ -476,24 +477,30 @@ class Session:
             self.observer.on_proposal(drafted)
 
     def _start_predraft(self, budget: int) -> PreDraft:
-        """Pre-draft while the verifier works (carrying the last verdict's Commit); a failure is returned, not raised:
-        only a pre-draft the verdict selects is waited for, and only then does its failure drop the drafter."""
+        """Pre-draft while the verifier works, after the last verdict's Commit (if the drafter has not heard it) is
+        acknowledged: a later Commit, sent without waiting for this call, must never overtake that one. A failure is
+        returned, not raised: only a pre-draft the verdict selects is waited for, and only then does its failure drop
+        the drafter."""
         commit, self._pending_commit = self._pending_commit, None
         drafter, sequence_id, propose_id = self.drafter, self.sequence_id, next(self._propose_ids)
+        committed = asyncio.Event()
 
         async def predraft() -> Drafted | WorkerError | None:
             if drafter is None:
                 return None
             try:
+                if commit is not None:
+                    await drafter.commit(sequence_id, *commit)
+                committed.set()
                 drafted = await drafter.propose(
-                    sequence_id, budget, assume_previous_accepted=True, commit=commit, propose_id=propose_id
+                    sequence_id, budget, assume_previous_accepted=True, propose_id=propose_id
                 )
             except WorkerError as error:
                 return error
             self._count_proposal(drafted)
             return drafted
 
-        return PreDraft(self._spawn(predraft()), propose_id)
+        return PreDraft(self._spawn(predraft()), propose_id, committed)
 
     async def _next_proposal(self) -> Drafted | None:
         """The proposal to verify this round: the pre-draft a hit selected, else a fresh one (or None)."""
@@ -510,6 +517,9 @@ class Session:
         Returns (hit, rejection hit); a miss leaves the cancellation to the verdict's Commit."""
         outcome, index = select(drafted, verified)
         if outcome == "miss" or self.finish_reason is not None:
+            committed = asyncio.ensure_future(predraft.committed.wait())
+            await asyncio.wait([committed, predraft.task], return_when=asyncio.FIRST_COMPLETED)  # the Commit's ack
+            committed.cancel()
             self._abandon(predraft.task)
             self.stats.pipeline_misses += 1
             return False, False

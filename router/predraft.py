@@ -39,10 +39,13 @@ Outcome = Literal["full", "rejection", "miss"]
 @dataclass(frozen=True)
 class PreDraft:
     """A pre-draft in flight: the drafter call (its result: the proposal, the drafter's failure, or None when the
-    request had no drafter left) and its ``propose_id``, which a Commit's ``cancel_through`` names."""
+    request had no drafter left), its ``propose_id``, which a Commit's ``cancel_through`` names, and ``committed``,
+    set once the drafter has acknowledged the Commit sent before it (the next Commit waits for that, never for the
+    proposal)."""
 
     task: asyncio.Task[Drafted | WorkerError | None]
     propose_id: int
+    committed: asyncio.Event
 
 
 def select(drafted: Drafted, verified: Verified) -> tuple[Outcome, int]:

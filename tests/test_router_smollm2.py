@@ -97,7 +97,7 @@ def expected(target: LoadedModel) -> dict[str, list[int]]:
         ("eagle", "pipelined", 4, 1),
         ("eagle", "sequential", 3, 2),
         ("eagle", "pipelined", 3, 2),
-        ("early-exit", "pipelined", 3, 1),
+        ("early-exit", "pipelined", 2, 1),
     ],
     ids=[
         "ngram-pipelined",

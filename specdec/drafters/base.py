@@ -29,7 +29,10 @@ sent next. The proposal sent was drawn from the ``q`` it carries, given the comm
 random numbers, independent of the verifier's, so the acceptance rule applies to it exactly as to a fresh draft.
 
 A pre-draft can be stopped (``stop``, checked between forwards): the sequence then proposes nothing and has no
-outstanding proposal, and the next ``sync`` rolls its state back like any other.
+outstanding proposal, and the next ``sync`` rolls its state back like any other. So that a seeded request draws the
+same random numbers however far a discarded pre-draft got, a ``sync`` that rolls back an assumption (no pre-drafted
+proposal selected) also puts the sequence's generator back where it was before that pre-draft drew anything. This
+reuse is exact: the discarded draws never reached the verifier, so they are independent of everything committed.
 
 Worked example of a pipelined round::
 
@@ -224,6 +227,8 @@ class SequenceState:
     outstanding: Outstanding | None = None
     alternatives: dict[tuple[int, ...], Outstanding] = field(default_factory=dict)
     alternatives_base: int = -1
+    generator: torch.Generator | None = None  # the random stream proposals are drawn from (None: deterministic)
+    rng_before_predraft: torch.Tensor | None = None  # the generator's state before the pending pre-draft drew
 
 
 S = TypeVar("S", bound=SequenceState)
@@ -296,6 +301,8 @@ class SequenceDrafter(ABC, Generic[S]):
         :meth:`_detached`), so ``assume_accepted`` and ``propose`` follow as for single-outcome pre-drafting.
         """
         states = [self._sequence(handle) for handle in handles]
+        for state in states:
+            _checkpoint_rng(state, overwrite=True)
         saved = [(list(state.text), state.outstanding) for state in states]
         drafted: list[list[Proposal]] = [[] for _ in handles]
         alternatives: list[dict[tuple[int, ...], Outstanding]] = [{} for _ in handles]
@@ -347,7 +354,7 @@ class SequenceDrafter(ABC, Generic[S]):
         if [tree.tokens[node] for node in path] != list(emitted[: len(path)]):
             raise InvalidArgumentError("emitted", "must start with the tokens of accepted_path")
         check_tokens("emitted", emitted, self.vocab_size)
-        state.alternatives = {}
+        state.alternatives, state.rng_before_predraft = {}, None
         self._resync(state, state.text + list(emitted), path)
 
     def assume_accepted(self, handle: int) -> None:
@@ -358,6 +365,7 @@ class SequenceDrafter(ABC, Generic[S]):
                 "assume_previous_accepted", "no outstanding proposal (it was committed, assumed or rolled back)"
             )
         tree, path = state.outstanding.tree, list(state.outstanding.assumed_path)
+        _checkpoint_rng(state, overwrite=False)  # pre_draft may have taken it already
         self._resync(state, state.text + [tree.tokens[node] for node in path], path)
 
     def sync(self, handle: int, base_length: int, emitted: list[int]) -> None:
@@ -371,6 +379,10 @@ class SequenceDrafter(ABC, Generic[S]):
             raise InvalidArgumentError("emitted", "the committed text must not become empty")
         alternative = state.alternatives.get(tuple(emitted)) if base_length == state.alternatives_base else None
         state.alternatives = {}
+        rolled_back = text != state.text and alternative is None
+        if rolled_back and state.rng_before_predraft is not None and state.generator is not None:
+            state.generator.set_state(state.rng_before_predraft)  # the discarded pre-draft's draws are reused
+        state.rng_before_predraft = None
         if text != state.text:  # equal: an assumed chain confirmed, nothing changes
             self._resync(state, text, None)
         if alternative is not None:  # a pre-drafted rejection verdict came true: its proposal is outstanding
@@ -414,6 +426,12 @@ class SequenceDrafter(ABC, Generic[S]):
     def _detached(self, outstanding: Outstanding) -> Outstanding:
         """``outstanding`` without references to scratch state a later forward overwrites (none by default)."""
         return outstanding
+
+
+def _checkpoint_rng(state: SequenceState, *, overwrite: bool) -> None:
+    """Remember the generator's state before a pre-draft draws (see the module docstring)."""
+    if state.generator is not None and (overwrite or state.rng_before_predraft is None):
+        state.rng_before_predraft = state.generator.get_state()
 
 
 def check_tokens(field: str, tokens: Sequence[int], vocab_size: int | None) -> None:
