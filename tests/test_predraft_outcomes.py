@@ -128,3 +128,23 @@ def test_one_outcome_drafts_no_rejections(target, draft) -> None:
 def test_predraft_outcomes_is_validated() -> None:
     with pytest.raises(ValueError, match="predraft_outcomes"):
         DraftConfig(predraft_outcomes=0)
+
+
+@pytest.mark.parametrize("stop_after", [None, 0, 1])
+def test_a_discarded_predraft_leaves_the_random_stream_as_it_found_it(stop_after: int | None, target, draft) -> None:
+    """Seeded sampling is reproducible however far a pre-draft got before the miss that discards it."""
+    proposals = []
+    for predraft in (False, True):
+        drafter = make("model-chain", target, draft, outcomes=2)
+        handle = drafter.open(PROMPT, SAMPLED, torch.Generator().manual_seed(5))
+        [first] = drafter.propose([handle], [8])
+        if predraft:
+            drafter.pre_draft([handle], [8])
+            drafter.assume_accepted(handle)
+            checks = iter(range(100))
+            stop = None if stop_after is None else (lambda _, checks=checks: next(checks) >= stop_after)
+            drafter.propose([handle], [8], stop=stop)
+        drafter.sync(handle, len(PROMPT), [(first.tree.tokens[0] + 1) % VOCAB])  # a miss at the first token
+        proposals.append(drafter.propose([handle], [8])[0])
+        drafter.close(handle)
+    assert_same_proposal(proposals[1], proposals[0])
