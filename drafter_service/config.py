@@ -45,6 +45,7 @@ class DrafterConfig:
     early_exit_layers: int | None = None
     draft_top_k: int = 20
     num_draft_tokens: int = 4
+    predraft_outcomes: int = 1
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int | None = None
@@ -87,11 +88,15 @@ class DrafterConfig:
         for name in ("batch_wait_ms", "torch_threads", "grace_s", "sequence_idle_timeout_s"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
-        self.draft_config()  # validates num_draft_tokens and draft_top_k
+        self.draft_config()  # validates num_draft_tokens, draft_top_k and predraft_outcomes
 
     def draft_config(self) -> DraftConfig:
         """The default candidate shape (a chain of ``num_draft_tokens``); sequences may ask for their own."""
-        return DraftConfig(num_draft_tokens=self.num_draft_tokens, draft_top_k=self.draft_top_k)
+        return DraftConfig(
+            num_draft_tokens=self.num_draft_tokens,
+            draft_top_k=self.draft_top_k,
+            predraft_outcomes=self.predraft_outcomes,
+        )
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> DrafterConfig:
@@ -125,6 +130,11 @@ class DrafterConfig:
         option("early_exit_layers", int, "target layers the early-exit drafter runs (default: a quarter)")
         option("draft_top_k", int, "the drafter's own top-k truncation of q (0: none)")
         option("num_draft_tokens", int, "default chain length / tree depth")
+        option(
+            "predraft_outcomes",
+            int,
+            "proposals one pipelined pre-draft prepares: 1 for full acceptance, each more for a likely rejection",
+        )
         option("host", str, "address to listen on")
         option("port", int, "port to listen on (0: any free port)")
         option("metrics_port", parse_metrics_port, "port of the Prometheus /metrics endpoint (0: any free port)")

@@ -27,6 +27,11 @@ class DrafterMetrics:
         )
         self.proposals = Counter("specdec:drafter_proposals", "Propose calls answered.", registry=registry)
         self.draft_tokens = Counter("specdec:drafter_draft_tokens", "Tokens (tree nodes) proposed.", registry=registry)
+        self.cancelled = Counter(
+            "specdec:drafter_cancelled_proposals",
+            "Propose calls cancelled by a Commit (pipeline misses).",
+            registry=registry,
+        )
         self.open_sequences = Gauge("specdec:drafter_open_sequences", "Open sequences.", registry=registry)
         self.sequences_reclaimed = Counter(
             "specdec:sequences_reclaimed",

@@ -7,13 +7,22 @@ stop: later calls fail with :class:`~grpc_common.scheduler.SchedulerStoppedError
 sequences: each open and, when asked, assumed accepted, then one drafter call, retried job by job if it fails), the
 OpenSequence / Commit / CloseSequence / Status jobs run between batches, and the service's metrics
 (:class:`~drafter_service.metrics.DrafterMetrics`).
+
+A pre-draft (Propose with ``assume_previous_accepted``) first drafts for the previous proposal's rejection verdicts
+(``drafter.pre_draft``, multi-outcome pre-drafting; nothing when the drafter's ``predraft_outcomes`` is 1), then
+assumes and proposes with the batch. **Cancellation** (a pipeline miss never waits for the pre-draft it will throw
+away): a Commit with ``cancel_through`` raises that sequence's cancel watermark on the handler thread, at once, not
+as a queued job. A Propose numbered at or below it is answered :class:`~specdec.errors.CancelledByCallerError`
+without running if it has not started, and one running is dropped by the drafter at its next forward (its
+``stop`` check reads the watermark); the Commit, queued behind it, then rolls the sequence back.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,7 +32,8 @@ import torch
 from drafter_service.metrics import DrafterMetrics
 from grpc_common.scheduler import BatchJob, BatchScheduler
 from specdec.drafters import DraftConfig, Drafter
-from specdec.errors import CapacityError, InvalidArgumentError
+from specdec.drafters.base import Proposal
+from specdec.errors import CancelledByCallerError, CapacityError, InvalidArgumentError
 from specdec.sampling import SamplingParams, make_generator
 
 LOG = logging.getLogger(__name__)
@@ -38,20 +48,32 @@ class SchedulerStatus:
     proposals: int  # Propose jobs answered
     batches: int  # drafter.propose calls that answered them
     max_batch: int  # largest number of Propose jobs in one drafter call
+    cancelled: int  # Propose jobs cancelled by a Commit (answered CANCELLED)
 
 
 @dataclass(frozen=True)
 class _Propose:
     max_tokens: int
     assume_previous_accepted: bool
+    propose_id: int = 0  # 0: never cancelled
+
+
+class Drafted(NamedTuple):
+    """What a Propose job answers: the proposal, the proposals pre-drafted for the previous proposal's rejection
+    verdicts (in their order) and the drafting time, in nanoseconds."""
+
+    proposal: Proposal
+    outcome_proposals: list[Proposal]
+    draft_ns: int
 
 
 class _Ready(NamedTuple):
     """A Propose job whose sequence is open (and assumed, when asked), waiting for the drafter call."""
 
-    job: BatchJob[_Propose]  # -> (Proposal, draft_ns)
+    job: BatchJob[_Propose]  # -> Drafted
     handle: int
-    assume_ns: int
+    outcome_proposals: list[Proposal]
+    predraft_ns: int
 
 
 class DraftScheduler(BatchScheduler[_Propose]):
@@ -78,7 +100,9 @@ class DraftScheduler(BatchScheduler[_Propose]):
         self.metrics = DrafterMetrics() if metrics is None else metrics
         self.max_open_sequences = max_open_sequences
         self._handles: dict[str, int] = {}  # sequence id -> drafter handle; scheduler thread only
-        self._proposals = self._batches = self._max_batch = 0
+        self._proposals = self._batches = self._max_batch = self._cancelled = 0
+        self._cancel_lock = threading.Lock()  # guards _cancelled_through: written by handler threads
+        self._cancelled_through: dict[str, int] = {}  # sequence id -> highest cancelled propose id
 
     # --- called from handler threads; each returns a Future ---------------------------------------------------
 
@@ -99,12 +123,12 @@ class DraftScheduler(BatchScheduler[_Propose]):
 
         return self.submit(sequence_id, run)
 
-    def propose(self, sequence_id: str, max_tokens: int, assume_previous_accepted: bool) -> Future:
-        """Candidates for ``sequence_id``, batched with other sequences'; -> ``(Proposal, draft_ns)``."""
+    def propose(self, sequence_id: str, max_tokens: int, assume_previous_accepted: bool, propose_id: int = 0) -> Future:
+        """Candidates for ``sequence_id``, batched with other sequences'; -> :class:`Drafted`."""
         _check_id(sequence_id)
         if max_tokens < 0:
             raise InvalidArgumentError("max_tokens", f"must be >= 0, got {max_tokens}")
-        return self.submit_batched(sequence_id, _Propose(max_tokens, assume_previous_accepted))
+        return self.submit_batched(sequence_id, _Propose(max_tokens, assume_previous_accepted, propose_id))
 
     def commit(
         self,
@@ -112,12 +136,18 @@ class DraftScheduler(BatchScheduler[_Propose]):
         base_length: int,
         emitted: list[int],
         features: tuple[int, torch.Tensor] | None = None,
+        cancel_through: int = 0,
     ) -> Future:
         """The committed text of ``sequence_id`` is now ``text[:base_length] + emitted``; -> None.
 
         ``features`` (``start, rows``: the verdict's target feature rows) are given to the drafter first.
+        ``cancel_through`` > 0 cancels the sequence's unanswered Proposes numbered up to it, now (module docstring).
         """
         _check_id(sequence_id)
+        if cancel_through > 0:
+            with self._cancel_lock:
+                previous = self._cancelled_through.get(sequence_id, 0)
+                self._cancelled_through[sequence_id] = max(previous, cancel_through)
 
         def run() -> None:
             handle = self._handle(sequence_id)
@@ -132,6 +162,8 @@ class DraftScheduler(BatchScheduler[_Propose]):
 
         def run() -> None:
             handle = self._handles.pop(sequence_id, None)
+            with self._cancel_lock:
+                self._cancelled_through.pop(sequence_id, None)
             if handle is not None:
                 self.drafter.close(handle)
 
@@ -142,7 +174,12 @@ class DraftScheduler(BatchScheduler[_Propose]):
 
         def run() -> SchedulerStatus:
             return SchedulerStatus(
-                len(self._handles), self.drafter.runner_sequences, self._proposals, self._batches, self._max_batch
+                len(self._handles),
+                self.drafter.runner_sequences,
+                self._proposals,
+                self._batches,
+                self._max_batch,
+                self._cancelled,
             )
 
         return self.submit("", run)
@@ -165,17 +202,23 @@ class DraftScheduler(BatchScheduler[_Propose]):
         self.metrics.sequences_reclaimed.inc()
 
     def _run_batch(self, jobs: list[BatchJob[_Propose]]) -> None:
-        """One ``drafter.propose`` for the jobs whose sequences are ready; a failing batch is retried job by job."""
-        ready: list[_Ready] = []
+        """Pre-draft, assume and propose for the jobs whose sequences are ready, in one drafter call per step; a
+        failing proposal batch is retried job by job."""
+        live: list[tuple[BatchJob[_Propose], int]] = []
         for job in jobs:
             try:
-                started = time.perf_counter_ns()
-                handle = self._handle(job.sequence_id)
-                if job.item.assume_previous_accepted:
-                    self.drafter.assume_accepted(handle)
-                ready.append(_Ready(job, handle, time.perf_counter_ns() - started))
+                self._check_cancelled(job)
+                live.append((job, self._handle(job.sequence_id)))
             except Exception as error:
                 job.future.set_exception(error)
+        assumed = {
+            id(entry.job): entry for entry in self._pre_draft([e for e in live if e[0].item.assume_previous_accepted])
+        }
+        ready = [  # in arrival order; a pre-draft whose assumption failed has failed already
+            assumed[id(job)] if job.item.assume_previous_accepted else _Ready(job, handle, [], 0)
+            for job, handle in live
+            if not job.item.assume_previous_accepted or id(job) in assumed
+        ]
         if not ready:
             return
         try:
@@ -191,28 +234,83 @@ class DraftScheduler(BatchScheduler[_Propose]):
                 except Exception as single_error:
                     entry.job.future.set_exception(single_error)
 
+    def _pre_draft(self, jobs: list[tuple[BatchJob[_Propose], int]]) -> list[_Ready]:
+        """Draft for the previous proposals' rejection verdicts (one batched ``pre_draft``), then assume each job's
+        previous proposal accepted; a job whose assumption fails fails alone. A failed ``pre_draft`` only loses the
+        rejection outcomes (it leaves every sequence as it was)."""
+        if not jobs:
+            return []
+        started = time.perf_counter_ns()
+        handles = [handle for _, handle in jobs]
+        try:
+            outcomes = self.drafter.pre_draft(handles, [job.item.max_tokens for job, _ in jobs], self._stop_check(jobs))
+        except Exception:
+            LOG.warning("pre-drafting rejection outcomes failed; pre-drafting for full acceptance only", exc_info=True)
+            outcomes = [[] for _ in jobs]
+        predraft_ns = time.perf_counter_ns() - started
+        ready = []
+        for (job, handle), proposals in zip(jobs, outcomes, strict=True):
+            try:
+                self._check_cancelled(job)
+                self.drafter.assume_accepted(handle)
+                ready.append(_Ready(job, handle, proposals, predraft_ns))
+            except Exception as error:
+                job.future.set_exception(error)
+        return ready
+
     def _propose(self, ready: list[_Ready]) -> None:
-        """One drafter call for ``ready``; answers each job with its proposal and the call's duration."""
+        """One drafter call for ``ready``; answers each job with its proposal and the call's duration, or CANCELLED."""
         started = time.perf_counter_ns()
         proposals = self.drafter.propose(
-            [entry.handle for entry in ready], [entry.job.item.max_tokens for entry in ready]
+            [entry.handle for entry in ready],
+            [entry.job.item.max_tokens for entry in ready],
+            self._stop_check([(entry.job, entry.handle) for entry in ready]),
         )
         draft_ns = time.perf_counter_ns() - started
         self.metrics.batch_size.observe(len(ready))
         self.metrics.propose_seconds.observe(draft_ns / 1e9)
-        self.metrics.proposals.inc(len(ready))
-        self.metrics.draft_tokens.inc(sum(len(proposal.tree) for proposal in proposals))
-        self._proposals += len(ready)
         self._batches += 1
         self._max_batch = max(self._max_batch, len(ready))
         for entry, proposal in zip(ready, proposals, strict=True):
-            entry.job.future.set_result((proposal, draft_ns + entry.assume_ns))
+            if self._is_cancelled(entry.job):
+                self._count_cancelled()
+                entry.job.future.set_exception(_cancelled(entry.job))
+                continue
+            self.metrics.proposals.inc()
+            self.metrics.draft_tokens.inc(len(proposal.tree) + sum(len(p.tree) for p in entry.outcome_proposals))
+            self._proposals += 1
+            entry.job.future.set_result(Drafted(proposal, entry.outcome_proposals, draft_ns + entry.predraft_ns))
+
+    def _is_cancelled(self, job: BatchJob[_Propose]) -> bool:
+        propose_id = job.item.propose_id
+        if not propose_id:
+            return False
+        with self._cancel_lock:
+            return propose_id <= self._cancelled_through.get(job.sequence_id, 0)
+
+    def _check_cancelled(self, job: BatchJob[_Propose]) -> None:
+        if self._is_cancelled(job):
+            self._count_cancelled()
+            raise _cancelled(job)
+
+    def _count_cancelled(self) -> None:
+        self.metrics.cancelled.inc()
+        self._cancelled += 1
+
+    def _stop_check(self, jobs: list[tuple[BatchJob[_Propose], int]]) -> Callable[[int], bool]:
+        """The drafter's ``stop``: whether the job of a handle has been cancelled meanwhile."""
+        job_of = {handle: job for job, handle in jobs}
+        return lambda handle: self._is_cancelled(job_of[handle])
 
     def _handle(self, sequence_id: str) -> int:
         handle = self._handles.get(sequence_id)
         if handle is None:
             raise KeyError(f"sequence_id: no open sequence {sequence_id!r}")
         return handle
+
+
+def _cancelled(job: BatchJob[_Propose]) -> CancelledByCallerError:
+    return CancelledByCallerError(f"propose {job.item.propose_id} of {job.sequence_id!r} was cancelled by a Commit")
 
 
 def _check_id(sequence_id: str) -> None:

@@ -16,10 +16,10 @@ import grpc
 from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
-from drafter_service.scheduler import DraftScheduler, SchedulerStatus
+from drafter_service.scheduler import Drafted, DraftScheduler, SchedulerStatus
 from grpc_common.batch import Submitted, answer_batch, check_batch_size, touched
 from grpc_common.convert import MAX_PROPOSAL_NODES, features_from_wire, proposal_to_wire, sampling_from_wire
-from specdec.drafters import DraftConfig, Proposal
+from specdec.drafters import DraftConfig
 from specdec.errors import InvalidArgumentError
 
 _SIBLING_SAMPLING = {
@@ -119,7 +119,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return Submitted(future, lambda _: drafter_pb2.OpenDraftReply(open_ns=time.perf_counter_ns() - started))
 
     def _submit_propose(self, request: drafter_pb2.ProposeRequest) -> Submitted:
-        future = self.scheduler.propose(request.sequence_id, request.max_tokens, request.assume_previous_accepted)
+        future = self.scheduler.propose(
+            request.sequence_id, request.max_tokens, request.assume_previous_accepted, request.propose_id
+        )
         return Submitted(future, _propose_reply)
 
     def _submit_commit(self, request: drafter_pb2.DraftCommitRequest) -> Submitted:
@@ -132,7 +134,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         features = None
         if request.HasField("features"):
             features = features_from_wire(request.features, width=self.feature_width)
-        future = self.scheduler.commit(request.sequence_id, request.base_length, list(request.emitted), features)
+        future = self.scheduler.commit(
+            request.sequence_id, request.base_length, list(request.emitted), features, request.cancel_through
+        )
         return Submitted(future, lambda _: drafter_pb2.DraftCommitReply())
 
     def _submit_close(self, request: drafter_pb2.CloseDraftRequest) -> Submitted:
@@ -150,12 +154,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 batches=status.batches,
                 max_batch=status.max_batch,
                 feature_width=self.feature_width,
+                cancelled_proposals=status.cancelled,
             )
 
         return Submitted(self.scheduler.status(), reply).answer(context)
 
 
-def _propose_reply(drafted: tuple[Proposal, int]) -> drafter_pb2.ProposeReply:
-    proposal, draft_ns = drafted
+def _propose_reply(drafted: Drafted) -> drafter_pb2.ProposeReply:
+    proposal = drafted.proposal
     message = proposal_to_wire(proposal)
-    return drafter_pb2.ProposeReply(proposal=message, draft_ns=draft_ns, wire_bytes=message.ByteSize())
+    outcomes = [proposal_to_wire(outcome) for outcome in drafted.outcome_proposals]
+    return drafter_pb2.ProposeReply(
+        proposal=message,
+        draft_ns=drafted.draft_ns,
+        wire_bytes=message.ByteSize() + sum(outcome.ByteSize() for outcome in outcomes),
+        assumed_path=proposal.assumed_path,
+        rejections=[drafter_pb2.GuessedVerdict(emitted=rejection.emitted) for rejection in proposal.rejections],
+        outcome_proposals=outcomes,
+    )

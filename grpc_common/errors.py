@@ -13,6 +13,7 @@ import grpc
 import grpc.aio
 
 from specdec.errors import (
+    CancelledByCallerError,
     CapacityError,
     IncompatibleDraftError,
     InvalidArgumentError,
@@ -27,6 +28,7 @@ STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (IncompatibleDraftError, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (CancelledByCallerError, grpc.StatusCode.CANCELLED),
     (KeyError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (SpecdecError, grpc.StatusCode.FAILED_PRECONDITION),

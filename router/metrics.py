@@ -116,6 +116,11 @@ class RouterMetrics:
             [],
         )
         self.pipeline_hits = counter("specdec:pipeline_hits", "Pipelined rounds whose pre-drafted chain was used.", [])
+        self.pipeline_rejection_hits = counter(
+            "specdec:pipeline_rejection_hits",
+            "Pipeline hits whose pre-draft was prepared for a rejection verdict (multi-outcome pre-drafting).",
+            [],
+        )
         self.pipeline_misses = counter("specdec:pipeline_misses", "Pipelined rounds that discarded it.", [])
         wire_bytes = counter(
             "specdec:wire_bytes",
@@ -153,6 +158,8 @@ class RouterMetrics:
         self.router_overhead_seconds.observe(max(0, overhead_ns) / 1e9)
         if record.pipeline_hit is not None:
             (self.pipeline_hits if record.pipeline_hit else self.pipeline_misses).inc()
+            if record.rejection_hit:
+                self.pipeline_rejection_hits.inc()
         self._wire_bytes["verdict"].inc(verified.wire_bytes)
         self._wire_bytes["features"].inc(verified.feature_bytes)
 

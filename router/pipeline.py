@@ -16,15 +16,20 @@ after a deferred bonus) when it drafts; the Commit confirming an assumed chain c
 request re-prefills a new verifier sequence, whose rows start at 0 again, for a reopened drafter. Once a request
 has no drafter (it failed, or none was free), its next Verify stops the rows.
 
-**Pipelined** (chains only): right after sending ``Verify`` for chain k with ``defer_bonus``, the drafter is
-asked to ``Propose(assume_previous_accepted)`` chain k+1 concurrently. When the verdict comes back:
+**Pipelined** (chains and trees): right after sending ``Verify`` for proposal k with ``defer_bonus``, the drafter
+is asked to ``Propose(assume_previous_accepted)`` concurrently, numbered (``propose_id``): it pre-drafts from the
+leaf of proposal k's assumed path, and with multi-outcome pre-drafting also for its likely rejection verdicts.
+The verdict selects one of them or none (:mod:`router.predraft`, which also gives the exactness argument):
 
-* ``bonus_deferred`` (all of chain k accepted; the verifier kept ``p(γ+1)`` instead of drawing a bonus): a
-  **pipeline hit**. Chain k+1 goes to the verifier at once, its first token verified against the kept row;
-  while that verification runs, the drafter is told ``Commit(base_length, chain k)`` (confirming what it assumed)
-  and asked for chain k+2 the same way, in one message.
-* otherwise a **pipeline miss**: chain k+1 is thrown away, and ``Commit`` of the verdict rolls the drafter
-  back to the committed prefix before it drafts afresh.
+* a **pipeline hit** (the assumed path accepted with the bonus deferred, or a guessed rejection verdict): the
+  selected proposal goes to the verifier at once; while that verification runs, the drafter is told
+  ``Commit(base_length, emitted)`` (which confirms its assumption, or selects the pre-drafted rejection outcome)
+  and, once that is acknowledged, asked for the next pre-draft the same way.
+* a **pipeline miss**: the router does not wait for the pre-draft. The Commit of the verdict goes out with the next
+  proposal request at once, carrying ``cancel_through``: the drafter stops the pre-draft (queued or mid-draft),
+  answers it CANCELLED and rolls its state back to the committed prefix before it drafts afresh. The abandoned
+  call is kept alive in the background; nothing waits for it, and its answer is ignored. (Only the Commit sent
+  before it must have been acknowledged, so that the new Commit cannot overtake it on another connection.)
 
 Every emitted token comes from the verifier's rule, so pipelining never changes the output distribution.
 
@@ -53,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
@@ -60,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from router.errors import NoWorkerError, WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
+from router.predraft import PreDraft, select, selected
 from router.requests import DraftShape, Plan
 from router.text import TextStream
 from specdec.adaptive import Candidate, SpeculationController
@@ -87,12 +94,20 @@ class SequenceSpec:
 
 @dataclass(frozen=True)
 class Drafted:
-    """One proposal from a drafter. ``payload`` is its encoded form, handed to the verifier unchanged."""
+    """One proposal from a drafter. ``payload`` is its encoded form, handed to the verifier unchanged.
+
+    ``assumed_path`` is what a pre-draft after it assumes accepted (empty: it cannot be pipelined), ``rejections``
+    the emitted tokens of the rejection verdicts that pre-draft also prepares for; ``outcomes`` (a pre-draft's
+    answer) the proposals prepared for the previous proposal's ``rejections``, in their order (:mod:`router.predraft`).
+    """
 
     tree: TokenTree
     payload: object
     draft_ns: int
     wire_bytes: int
+    assumed_path: tuple[int, ...] = ()
+    rejections: tuple[tuple[int, ...], ...] = ()
+    outcomes: tuple[Drafted, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,11 +131,13 @@ class Verified:
 
 class Commit(NamedTuple):
     """What a drafter is told of a verdict: the committed text is now ``text[:base_length] + emitted``; ``features``
-    (the verdict's, as the verifier encoded them; None: none) are applied first."""
+    (the verdict's, as the verifier encoded them; None: none) are applied first; ``cancel_through`` (> 0, a pipeline
+    miss) cancels the sequence's unanswered pre-drafts numbered up to it first."""
 
     base_length: int
     emitted: Sequence[int]
     features: object | None = None
+    cancel_through: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,8 +145,8 @@ class RoundRecord:
     """One round whose verdict was taken, for monitoring: what it verified and where its wall time went.
 
     ``exposed_draft_ns`` is the drafter time the verifier waited for: a fresh proposal's ``draft_ns``, 0 for a
-    chain pre-drafted during the previous round (or no proposal). ``pipeline_hit`` is None for a round that was
-    not pipelined.
+    proposal pre-drafted during the previous round (or no proposal). ``pipeline_hit`` is None for a round that was
+    not pipelined; ``rejection_hit``: the hit was a pre-drafted rejection outcome (multi-outcome pre-drafting).
     """
 
     draft_size: int  # nodes verified, 0 for a target-only round
@@ -137,6 +154,7 @@ class RoundRecord:
     wall_ns: int
     exposed_draft_ns: int
     pipeline_hit: bool | None
+    rejection_hit: bool = False
 
 
 class RoundObserver(Protocol):
@@ -170,13 +188,19 @@ class DrafterClient(Protocol):
         *,
         assume_previous_accepted: bool,
         commit: Commit | None = None,
+        propose_id: int = 0,
     ) -> Drafted:
         """Draft; ``commit``, if given, is applied first, exactly as :meth:`commit` would, and its failure raises
-        before any proposal is used."""
+        before any proposal is used. ``propose_id`` (> 0) numbers a pre-draft so that a Commit can cancel it."""
         ...
 
     async def commit(
-        self, sequence_id: str, base_length: int, emitted: Sequence[int], features: object | None = None
+        self,
+        sequence_id: str,
+        base_length: int,
+        emitted: Sequence[int],
+        features: object | None = None,
+        cancel_through: int = 0,
     ) -> None: ...
 
     async def close(self, sequence_id: str) -> None: ...
@@ -231,13 +255,15 @@ class Chunk:
 
 @dataclass
 class RequestStats(AcceptanceCounts):
-    """Speculation counters of one request (DESIGN §7); ``draft_ns`` and ``wire_bytes`` include discarded chains;
-    ``feature_bytes`` counts the target feature rows of the verdicts taken."""
+    """Speculation counters of one request (DESIGN §7); ``draft_ns`` and ``wire_bytes`` include discarded proposals;
+    ``feature_bytes`` counts the target feature rows of the verdicts taken. ``pipeline_hits`` counts every pre-draft
+    used, ``pipeline_rejection_hits`` those of them prepared for a rejection verdict (multi-outcome pre-drafting)."""
 
     draft_ns: int = 0
     verify_ns: int = 0
     state_ns: int = 0
     pipeline_hits: int = 0
+    pipeline_rejection_hits: int = 0
     pipeline_misses: int = 0
     wire_bytes: int = 0
     feature_bytes: int = 0
@@ -313,7 +339,9 @@ class Session:
         self._failed_drafters: set[str] = set()
         self._replace = False  # a failed drafter is to be replaced next round, by one of ``_replace_kind``
         self._replace_kind: str | None = None
-        self._predrafted: Drafted | None = None  # chain k+1 after a pipeline hit, verified next round
+        self._predrafted: Drafted | None = None  # the pre-draft a pipeline hit selected, verified next round
+        self._propose_ids = itertools.count(1)  # numbers the pre-drafts (a Commit's cancel_through names them)
+        self._late_failure: WorkerError | None = None  # an abandoned pre-draft's failure, acted on next round
         self._pending_commit: Commit | None = None  # the last verdict, not yet told to the drafter
         self._verifier_features = False  # the verifier sequence sends feature rows
         self._inflight: set[asyncio.Task[Any]] = set()
@@ -510,22 +538,49 @@ class Session:
         commit, self._pending_commit = self._pending_commit, None
         await self._drafter_call(lambda drafter: drafter.commit(self.sequence_id, *commit))
 
-    async def _propose(self, budget: int, *, assume_previous_accepted: bool) -> Drafted | None:
-        """A proposal, carrying the last verdict's Commit if the drafter has not heard it (one message, not two)."""
+    async def _propose(self, budget: int) -> Drafted | None:
+        """A fresh proposal, carrying the last verdict's Commit if the drafter has not heard it (one message)."""
         commit, self._pending_commit = self._pending_commit, None
         drafted = await self._drafter_call(
-            lambda drafter: drafter.propose(
-                self.sequence_id, budget, assume_previous_accepted=assume_previous_accepted, commit=commit
-            )
+            lambda drafter: drafter.propose(self.sequence_id, budget, assume_previous_accepted=False, commit=commit)
         )
         if drafted is not None:
-            self.stats.count_drafted(drafted)
-            if self.observer is not None:
-                self.observer.on_proposal(drafted)
+            self._count_proposal(drafted)
         return drafted
 
+    def _count_proposal(self, drafted: Drafted) -> None:
+        self.stats.count_drafted(drafted)
+        if self.observer is not None:
+            self.observer.on_proposal(drafted)
+
+    def _start_predraft(self, budget: int) -> PreDraft:
+        """Pre-draft while the verifier works, after the last verdict's Commit (if the drafter has not heard it) is
+        acknowledged: a later Commit, sent without waiting for this call, must never overtake that one. A failure is
+        returned, not raised: only a pre-draft the verdict selects is waited for, and only then does its failure drop
+        the drafter."""
+        commit, self._pending_commit = self._pending_commit, None
+        drafter, sequence_id, propose_id = self.drafter, self.sequence_id, next(self._propose_ids)
+        committed = asyncio.Event()
+
+        async def predraft() -> Drafted | WorkerError | None:
+            if drafter is None:
+                return None
+            try:
+                if commit is not None:
+                    await drafter.commit(sequence_id, *commit)
+                committed.set()
+                drafted = await drafter.propose(
+                    sequence_id, budget, assume_previous_accepted=True, propose_id=propose_id
+                )
+            except WorkerError as error:
+                return error
+            self._count_proposal(drafted)
+            return drafted
+
+        return PreDraft(self._spawn(predraft()), propose_id, committed)
+
     async def _next_proposal(self) -> Drafted | None:
-        """The proposal to verify this round: the pre-drafted chain after a hit, else a fresh one (or None)."""
+        """The proposal to verify this round: the pre-draft a hit selected, else a fresh one (or None)."""
         if self._predrafted is not None:
             drafted, self._predrafted = self._predrafted, None
             return drafted
@@ -535,7 +590,7 @@ class Session:
         if self.drafter is None or budget < 1:
             await self._flush_commit()
             return None
-        return await self._propose(budget, assume_previous_accepted=False)
+        return await self._propose(budget)
 
     def _auto_budget(self, budget: int) -> int:
         """The controller's node budget this round: a chain of its chosen length, or the whole tree or nothing; the
@@ -556,12 +611,42 @@ class Session:
         )
         return length if shape.is_chain else (nodes if length else 0)
 
-    async def _drafter_side(self, predraft_budget: int | None) -> Drafted | None:
-        """While the verifier works: commit the last verdict, and (pipelining) draft the next chain with it."""
-        if predraft_budget is None:
-            await self._flush_commit()
-            return None
-        return await self._propose(predraft_budget, assume_previous_accepted=True)
+    async def _take_predraft(self, predraft: PreDraft, drafted: Drafted, verified: Verified) -> tuple[bool, bool]:
+        """After the verdict on ``drafted``: keep the pre-draft it selects (waiting for it), or abandon it unawaited.
+        Returns (hit, rejection hit); a miss leaves the cancellation to the verdict's Commit."""
+        outcome, index = select(drafted, verified)
+        if outcome == "miss" or self.finish_reason is not None:
+            committed = asyncio.ensure_future(predraft.committed.wait())
+            await asyncio.wait([committed, predraft.task], return_when=asyncio.FIRST_COMPLETED)  # the Commit's ack
+            committed.cancel()
+            self._abandon(predraft.task)
+            self.stats.pipeline_misses += 1
+            return False, False
+        answer = await asyncio.shield(predraft.task)
+        if isinstance(answer, WorkerError):
+            self._drop_drafter(answer)
+        proposal = selected(outcome, index, answer) if isinstance(answer, Drafted) else None
+        if proposal is None or self.drafter is None:
+            self.stats.pipeline_misses += 1
+            return False, False
+        self._predrafted = proposal
+        self.stats.pipeline_hits += 1
+        self.stats.pipeline_rejection_hits += outcome == "rejection"
+        return True, outcome == "rejection"
+
+    def _abandon(self, task: asyncio.Task[Drafted | WorkerError | None]) -> None:
+        """Stop waiting for the pre-draft ``task``: cleanup no longer waits for it, but it is kept alive until it ends.
+        If it fails other than by its cancellation, the drafter is dropped at the start of the next round."""
+        self._inflight.discard(task)
+        self._keep(task)
+        drafter = self.drafter
+
+        def note(done: asyncio.Task[Drafted | WorkerError | None]) -> None:
+            answer = None if done.cancelled() else done.result()
+            if isinstance(answer, WorkerError) and answer.code != "CANCELLED" and self.drafter is drafter:
+                self._late_failure = answer
+
+        task.add_done_callback(note)
 
     # --- rounds -------------------------------------------------------------------------------------------
 
@@ -569,6 +654,9 @@ class Session:
         if self.drafter is None and self._replace:
             await self._replace_drafter()
         started = time.perf_counter_ns()
+        if self._late_failure is not None:
+            error, self._late_failure = self._late_failure, None
+            self._drop_drafter(error)
         base_length = len(self.plan.prompt_ids) + len(self.generated)
         fresh = self._predrafted is None  # else the proposal was drafted while the previous round verified
         drafted = await self._next_proposal()
@@ -578,8 +666,8 @@ class Session:
             and self.drafter is not None
             and drafted is not None
             and size > 0
-            and drafted.tree.is_chain
-            and self.remaining - size - 1 >= 1  # room for the next chain; else draw the bonus now
+            and bool(drafted.assumed_path)
+            and self.remaining - size - 1 >= 1  # room for the next proposal; else draw the bonus now
         )
         verifier, sequence_id = self.verifier, self.sequence_id
         assert verifier is not None, "the verifier is opened before any round"
@@ -587,14 +675,16 @@ class Session:
         verify = self._spawn(
             verifier.verify(sequence_id, drafted if size else None, defer_bonus=pipelined, stop_features=stop_features)
         )
-        drafter_side = None
-        if self.drafter is not None and (pipelined or self._pending_commit is not None):
-            drafter_side = self._spawn(self._drafter_side(self.remaining - size - 1 if pipelined else None))
+        predraft = self._start_predraft(self.remaining - size - 1) if pipelined else None
+        flush = None
+        if predraft is None and self.drafter is not None and self._pending_commit is not None:
+            flush = self._spawn(self._flush_commit())
         try:
             verified = await asyncio.shield(verify)
         except WorkerError as error:
-            if drafter_side is not None:
-                await asyncio.shield(drafter_side)
+            for task in (flush, predraft.task if predraft else None):
+                if task is not None:
+                    await asyncio.shield(task)
             await self._recover(error, verifier, drafted)
             return
         if not verified.emitted and not verified.finished:
@@ -605,18 +695,19 @@ class Session:
         chunk = self._take(verified)
         if chunk.token_ids or chunk.text:
             await self.emit(chunk)
-        predrafted = await asyncio.shield(drafter_side) if drafter_side is not None else None
-        if pipelined:
-            if verified.bonus_deferred:
-                self.stats.pipeline_hits += 1
-                self._predrafted = predrafted
-            else:
-                self.stats.pipeline_misses += 1
+        if flush is not None:
+            await asyncio.shield(flush)
+        hit = rejection_hit = False
+        if predraft is not None:
+            assert drafted is not None
+            hit, rejection_hit = await self._take_predraft(predraft, drafted, verified)
         if self.drafter is not None and self.finish_reason is None:
-            self._pending_commit = Commit(base_length, verified.emitted, verified.features)
+            cancel_through = predraft.propose_id if predraft is not None and not hit else 0
+            self._pending_commit = Commit(base_length, verified.emitted, verified.features, cancel_through)
         exposed_ns = drafted.draft_ns if fresh and drafted is not None else 0
-        hit = verified.bonus_deferred if pipelined else None
-        record = RoundRecord(size, verified, time.perf_counter_ns() - started, exposed_ns, hit)
+        record = RoundRecord(
+            size, verified, time.perf_counter_ns() - started, exposed_ns, hit if pipelined else None, rejection_hit
+        )
         if self._controller is not None:
             self._teach(record, drafted.tree.max_depth() if size and drafted is not None else 0)
         if self.observer is not None:

@@ -81,18 +81,13 @@ class DraftShape:
     tree_width: int = 1
     tree_budget: int = 0
 
-    @property
-    def is_chain(self) -> bool:
-        return self.tree_width <= 1
-
 
 @dataclass(frozen=True)
 class Plan:
     """A validated request, ready for the round loop.
 
-    ``mode`` is the speculation actually used (``"auto"``: sequential rounds whose draft length adapts, see
-    :mod:`router.pipeline`): pipelining needs a chain (a tree's assumed path is the drafter's
-    guess, which the router cannot check against the verdict), so a tree request runs ``"sequential"``.
+    ``mode`` is the speculation asked for (or the server's default; ``"auto"``: sequential rounds whose draft
+    length adapts, see :mod:`router.pipeline`); trees pipeline like chains.
     ``drafter_kind`` is ``None`` for any kind. ``eos_token_ids`` only tells "stop" from "length" when EOS is
     the last token the budget allows; the verifier decides when generation ends.
     """
@@ -173,7 +168,7 @@ def plan_request(
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
-        mode="sequential" if mode == "pipelined" and not shape.is_chain else mode,
+        mode=mode,
         drafter_kind=kind,
         shape=shape,
         eos_token_ids=frozenset() if request.ignore_eos else eos,

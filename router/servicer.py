@@ -98,6 +98,7 @@ def final_to_wire(final: Final) -> router_pb2.GenerateResponse:
             verify_ns=stats.verify_ns,
             state_ns=stats.state_ns,
             pipeline_hits=stats.pipeline_hits,
+            pipeline_rejection_hits=stats.pipeline_rejection_hits,
             pipeline_misses=stats.pipeline_misses,
             wire_bytes=stats.wire_bytes,
             feature_bytes=stats.feature_bytes,

@@ -176,12 +176,16 @@ class GrpcDrafter(WorkerClient):
         *,
         assume_previous_accepted: bool,
         commit: Commit | None = None,
+        propose_id: int = 0,
     ) -> Drafted:
         committed = None
         if commit is not None:  # queued first, so the drafter applies it first (same Batch, listed before)
             committed = self.batcher.submit(_commit_call(sequence_id, *commit))
         request = drafter_pb2.ProposeRequest(
-            sequence_id=sequence_id, max_tokens=max_tokens, assume_previous_accepted=assume_previous_accepted
+            sequence_id=sequence_id,
+            max_tokens=max_tokens,
+            assume_previous_accepted=assume_previous_accepted,
+            propose_id=propose_id,
         )
         proposed = self.batcher.submit(drafter_pb2.DrafterCall(propose=request))
         try:
@@ -193,15 +197,24 @@ class GrpcDrafter(WorkerClient):
             raise
         try:
             tree = tree_from_wire(reply.proposal.tree)
+            outcomes = tuple(Drafted(tree_from_wire(p.tree), p, 0, 0) for p in reply.outcome_proposals)
         except ValueError as error:
             raise WorkerRejectedError(self.address, "INVALID_ARGUMENT", f"malformed proposal: {error}") from None
         wire_bytes = reply.wire_bytes or reply.proposal.ByteSize()
-        return Drafted(tree, reply.proposal, reply.draft_ns, wire_bytes)
+        # a drafter that names no assumed path assumes a chain in full (and cannot pipeline a tree)
+        assumed = tuple(reply.assumed_path) or (tuple(range(len(tree))) if tree.is_chain else ())
+        rejections = tuple(tuple(guess.emitted) for guess in reply.rejections)
+        return Drafted(tree, reply.proposal, reply.draft_ns, wire_bytes, assumed, rejections, outcomes)
 
     async def commit(
-        self, sequence_id: str, base_length: int, emitted: Sequence[int], features: object | None = None
+        self,
+        sequence_id: str,
+        base_length: int,
+        emitted: Sequence[int],
+        features: object | None = None,
+        cancel_through: int = 0,
     ) -> None:
-        await self._call("commit", _commit_call(sequence_id, base_length, emitted, features))
+        await self._call("commit", _commit_call(sequence_id, base_length, emitted, features, cancel_through))
 
     async def close(self, sequence_id: str) -> None:
         self.open_sequences.discard(sequence_id)
@@ -210,12 +223,20 @@ class GrpcDrafter(WorkerClient):
 
 
 def _commit_call(
-    sequence_id: str, base_length: int, emitted: Sequence[int], features: object | None = None
+    sequence_id: str,
+    base_length: int,
+    emitted: Sequence[int],
+    features: object | None = None,
+    cancel_through: int = 0,
 ) -> drafter_pb2.DrafterCall:
     """A Commit; ``features`` is a verdict's ``FeatureRows`` message, carried as the verifier sent it."""
     assert features is None or isinstance(features, common_pb2.FeatureRows)
     request = drafter_pb2.DraftCommitRequest(
-        sequence_id=sequence_id, base_length=base_length, emitted=emitted, features=features
+        sequence_id=sequence_id,
+        base_length=base_length,
+        emitted=emitted,
+        features=features,
+        cancel_through=cancel_through,
     )
     return drafter_pb2.DrafterCall(commit=request)
 

@@ -120,6 +120,7 @@ class Stats:
     wire_bytes: int
     feature_bytes: int
     drafter_fallback: bool
+    pipeline_rejection_hits: int = 0  # of pipeline_hits: pre-drafts prepared for a rejection verdict
 
     @property
     def mean_accepted_length(self) -> float:
@@ -276,6 +277,7 @@ def chunk_from_wire(message: router_pb2.GenerateResponse) -> Chunk:
             wire_bytes=stats.wire_bytes,
             feature_bytes=stats.feature_bytes,
             drafter_fallback=stats.drafter_fallback,
+            pipeline_rejection_hits=stats.pipeline_rejection_hits,
         ),
     )
 

@@ -25,3 +25,7 @@ class IncompatibleDraftError(SpecdecError, ValueError):
 
 class CapacityError(SpecdecError, RuntimeError):
     """A fixed capacity (sequence slots, context length) would be exceeded."""
+
+
+class CancelledByCallerError(SpecdecError):
+    """The caller cancelled the work before it was answered (mapped to CANCELLED)."""

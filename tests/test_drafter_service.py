@@ -27,6 +27,7 @@ from drafter_service.server import SERVICE_NAME, build_core_drafter
 from drafter_service.servicer import shape_from_wire
 from grpc_common.convert import proposal_from_wire, sampling_to_wire
 from specdec.drafters import DraftConfig, Proposal
+from specdec.errors import CancelledByCallerError
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams, make_generator
 from specdec.tree import TokenTree
@@ -244,6 +245,9 @@ class ScriptedDrafter:
         self.fail_handles: set[int] = set()
         self.gate = threading.Event()
         self.gate.set()
+        self.propose_gate = threading.Event()  # propose waits for it, then asks ``stop`` about every handle
+        self.propose_gate.set()
+        self.stopped: list[int] = []
 
     @property
     def num_open(self) -> int:
@@ -256,11 +260,16 @@ class ScriptedDrafter:
         self.handles[handle] = prompt[0]
         return handle
 
-    def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
+    def propose(self, handles: list[int], max_tokens: list[int], stop=None) -> list[Proposal]:
         self.calls.append(("propose", list(handles)))
+        self.propose_gate.wait(TIMEOUT_S)
+        self.stopped = [handle for handle in handles if stop is not None and stop(handle)]
         if self.fail_handles & set(handles):
             raise RuntimeError("device error")
         return [Proposal(TokenTree.chain([self.handles[handle]]), None) for handle in handles]
+
+    def pre_draft(self, handles: list[int], max_tokens: list[int], stop=None) -> list[list[Proposal]]:
+        return [[] for _ in handles]
 
     def assume_accepted(self, handle: int) -> None:
         self.calls.append(("assume", [handle]))
@@ -506,3 +515,34 @@ def test_standalone_process_serves_and_stops_on_sigterm(tmp_path: Path, target) 
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_commit_cancels_the_predrafts_it_names_queued_running_or_late(scripted) -> None:
+    """``cancel_through`` acts at once: a queued pre-draft never runs, a running one is asked to stop (and answers
+    CANCELLED), one arriving after the Commit is refused; later pre-drafts and fresh proposals run."""
+    scheduler, drafter = scripted
+    open_all(scheduler, ["a"])
+    hold(scheduler, drafter)
+    queued = scheduler.propose("a", 4, True, propose_id=1)
+    commit = scheduler.commit("a", 1, [5], cancel_through=1)
+    drafter.gate.set()
+    with pytest.raises(CancelledByCallerError):
+        queued.result(TIMEOUT_S)
+    commit.result(TIMEOUT_S)
+    with pytest.raises(CancelledByCallerError):
+        scheduler.propose("a", 4, True, propose_id=1).result(TIMEOUT_S)  # late: refused without running
+    assert ("assume", [0]) not in drafter.calls and ("propose", [0]) not in drafter.calls
+    scheduler.propose("a", 4, False).result(TIMEOUT_S)
+    drafter.propose_gate.clear()
+    calls = len(drafter.calls)
+    running = scheduler.propose("a", 4, True, propose_id=2)
+    while ("propose", [0]) not in drafter.calls[calls:]:
+        time.sleep(0.001)
+    scheduler.commit("a", 1, [6], cancel_through=2)  # while the drafter is mid-draft
+    drafter.propose_gate.set()
+    with pytest.raises(CancelledByCallerError):
+        running.result(TIMEOUT_S)
+    assert drafter.stopped == [0], "the running draft was told to stop"
+    proposal, outcomes, _ = scheduler.propose("a", 4, True, propose_id=3).result(TIMEOUT_S)
+    assert len(proposal.tree) == 1 and outcomes == []
+    assert scheduler.status().result(TIMEOUT_S).cancelled == 3

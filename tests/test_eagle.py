@@ -89,6 +89,27 @@ def test_drafting_computes_what_training_unrolls(target: LoadedModel) -> None:
     assert second in range(VOCAB)
 
 
+def test_rows_of_a_verdict_on_another_leaf_than_the_assumed_one_are_kept(target: LoadedModel) -> None:
+    """A pipelined tree: the drafter assumed one leaf's path, the verdict accepted another leaf's (bonus deferred).
+    Its rows, given before the Commit, cover the other branch; they stay, and the next verdict's rows continue them."""
+    drafter = EagleDrafter(random_head(target), DraftConfig(num_draft_tokens=2, tree_width=2, draft_top_k=0))
+    n = 10
+    handle = drafter.open(TEXT[:n], GREEDY, make_generator(0))
+    drafter.add_features(handle, 0, true_features(target, TEXT[:n])[: n - 1])
+    (proposal,) = drafter.propose([handle], [8])
+    tree = proposal.tree
+    drafter.assume_accepted(handle)
+    assumed = drafter.text(handle)[n:]
+    leaves = [node for node in range(len(tree)) if not tree.children(node)]
+    other = next(path for path in map(tree.path_to, leaves) if [tree.tokens[i] for i in path] != assumed)
+    committed = TEXT[:n] + [tree.tokens[node] for node in other]
+    drafter.add_features(handle, n - 1, true_features(target, committed)[n - 1 :])  # all of it: bonus deferred
+    drafter.sync(handle, n, committed[n:])
+    assert drafter.text(handle) == committed
+    drafter.propose([handle], [8])
+    drafter.add_features(handle, len(committed), torch.zeros(0, drafter.feature_width))  # continues: no error
+
+
 def test_no_features_yet_proposes_nothing(target: LoadedModel) -> None:
     drafter = EagleDrafter(random_head(target), DraftConfig(num_draft_tokens=3))
     handle = drafter.open(TEXT[:5], GREEDY, make_generator(0))

@@ -442,9 +442,14 @@ class FeatureFakeDrafter(FakeDrafter):
         self.commits_with_rows = 0
 
     async def commit(
-        self, sequence_id: str, base_length: int, emitted: Sequence[int], features: object | None = None
+        self,
+        sequence_id: str,
+        base_length: int,
+        emitted: Sequence[int],
+        features: object | None = None,
+        cancel_through: int = 0,
     ) -> None:
-        await super().commit(sequence_id, base_length, emitted)
+        await super().commit(sequence_id, base_length, emitted, None, cancel_through)
         assert isinstance(features, tuple), "every Commit of a drafter that takes features carries them"
         owner, start, end = features
         assert owner == sequence_id and start == self.received.get(sequence_id, 0)

@@ -1,5 +1,9 @@
 """Sampling through the full gRPC path follows the target's exact law (chains and trees, pipelined or not).
 
+A second stack pre-drafts for several outcomes (``predraft_outcomes=3``) with a draft slowed to several times the
+verify time, so pipeline misses find their pre-draft still running and cancel it: the law holds with rejection-outcome
+hits, tree hits and cancelled pre-drafts all occurring (asserted from the stats and the drafter's Status).
+
 Tiny random Llama target (vocabulary 5) and a related draft behind a real verifier service, a model
 drafter service and the router, all on loopback. Seeded requests go through the SDK; the law of
 the first ``LENGTH`` tokens must match the law enumerated from the target model itself (chi-square,
@@ -10,12 +14,15 @@ batches differently but does not change any sequence's random numbers).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import grpc
 import pytest
+from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2, router_pb2_grpc
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import start_drafter
@@ -24,7 +31,7 @@ from router.config import RouterConfig
 from router.server import RunningRouter, start_router
 from specdec.acceptance import SampledRule, verify_batched
 from specdec.adaptive import SpeculationController
-from specdec.client import Client
+from specdec.client import Client, GenerateResult
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
 from tests.controllers import CyclingController
@@ -88,10 +95,28 @@ def router_address(target) -> Iterator[str]:
         yield router.grpc_address
 
 
+@pytest.fixture(scope="module")
+def multi_outcome_address(target) -> Iterator[str]:
+    """A model drafter pre-drafting for full acceptance and two rejection verdicts, each draft forward slowed."""
+    draft = tiny_draft(target, seed=13, num_layers=1, noise=0.3)
+    draft.model.register_forward_pre_hook(lambda *_: time.sleep(0.002))
+    config = DrafterConfig(kind="model", draft_model=draft.name, predraft_outcomes=3)
+    with served_router(target, config, draft=draft) as router:
+        yield router.grpc_address
+
+
 def sample_law(address: str, speculation: str, tree_width: int, seed: int) -> Counter:
-    def one(index: int) -> tuple[int, ...]:
+    # trees of 3 nodes: with 5 tokens to generate, the first round leaves room for a pre-draft (pipelined)
+    results = sample(address, speculation, tree_width, seed, SAMPLES, tree_budget=3 if tree_width > 1 else 0)
+    return Counter(_outcome(result.token_ids, frozenset()) for result in results)
+
+
+def sample(
+    address: str, speculation: str, tree_width: int, seed: int, samples: int, tree_budget: int = 0
+) -> list[GenerateResult]:
+    def one(index: int) -> GenerateResult:
         with Client(address, timeout_s=60) as client:
-            result = client.generate(
+            return client.generate(
                 prompt_ids=PROMPT,
                 max_tokens=LENGTH + 2,
                 temperature=PARAMS.temperature,
@@ -102,11 +127,21 @@ def sample_law(address: str, speculation: str, tree_width: int, seed: int) -> Co
                 speculation=speculation,
                 num_draft_tokens=2 if tree_width > 1 else 3,
                 tree_width=tree_width,
+                tree_budget=tree_budget,
             )
-        return _outcome(result.token_ids, frozenset())
 
     with ThreadPoolExecutor(max_workers=16) as pool:
-        return Counter(pool.map(one, range(SAMPLES)))
+        return list(pool.map(one, range(samples)))
+
+
+def cancelled_proposals(router_address: str) -> int:
+    """The drafter's count of pre-drafts cancelled by a Commit, found through the router's worker list."""
+    with grpc.insecure_channel(router_address) as channel:
+        status = router_pb2_grpc.RouterStub(channel).Status(router_pb2.RouterStatusRequest(), timeout=10)
+    [drafter] = [worker.address for worker in status.workers if worker.role == "drafter"]
+    with grpc.insecure_channel(drafter) as channel:
+        reply = drafter_pb2_grpc.DrafterStub(channel).Status(drafter_pb2.DrafterStatusRequest(), timeout=10)
+    return reply.cancelled_proposals
 
 
 @pytest.mark.slow
@@ -129,4 +164,22 @@ def test_auto_with_draft_lengths_changing_every_round_follows_the_target_law(tar
         with Client(router.grpc_address, timeout_s=60) as client:
             stats = client.generate(prompt_ids=PROMPT, max_tokens=12, speculation="auto", seed=1, ignore_eos=True).stats
     assert stats.rounds_per_draft_size[0] > 0 and sum(count > 0 for count in stats.rounds_per_draft_size) >= 3
+    assert_same_law(counts, exact_law(target, PARAMS, stop_at_eos=False))
+
+
+@pytest.mark.parametrize(("tree_width", "tree_budget"), [(1, 0), (2, 3)], ids=["chain", "tree"])
+def test_multi_outcome_and_cancelled_predrafts_follow_the_target_law(
+    multi_outcome_address: str, target, tree_width: int, tree_budget: int
+) -> None:
+    """Chains of 3 and trees of 3 nodes (depth 2) leave room in the 5-token budget to pre-draft after round 1."""
+    cancelled = cancelled_proposals(multi_outcome_address)
+    seed = 130_000 + 10_000 * tree_width
+    results = sample(multi_outcome_address, "pipelined", tree_width, seed, 1000, tree_budget)
+    stats = [result.stats for result in results]
+    assert not any(s.drafter_fallback for s in stats)
+    assert sum(s.pipeline_hits - s.pipeline_rejection_hits for s in stats) > 0, "full-acceptance pre-drafts were used"
+    if tree_width == 1:  # a tree's guessed corrections rarely come true here (3-node trees, q truncated by top-p)
+        assert sum(s.pipeline_rejection_hits for s in stats) > 0, "rejection-outcome pre-drafts were used"
+    assert cancelled_proposals(multi_outcome_address) > cancelled, "misses cancelled pre-drafts in flight"
+    counts = Counter(_outcome(result.token_ids, frozenset()) for result in results)
     assert_same_law(counts, exact_law(target, PARAMS, stop_at_eos=False))

@@ -121,14 +121,21 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _propose(self, request, context):
         drafted = asyncio.run(
             self.fake.propose(
-                request.sequence_id, request.max_tokens, assume_previous_accepted=request.assume_previous_accepted
+                request.sequence_id,
+                request.max_tokens,
+                assume_previous_accepted=request.assume_previous_accepted,
+                propose_id=request.propose_id,
             )
         )
         proposal = common_pb2.Proposal(tree=tree_to_wire(drafted.tree))
         return drafter_pb2.ProposeReply(proposal=proposal, draft_ns=drafted.draft_ns, wire_bytes=proposal.ByteSize())
 
     def Commit(self, request, context):
-        asyncio.run(self.fake.commit(request.sequence_id, request.base_length, list(request.emitted)))
+        asyncio.run(
+            self.fake.commit(
+                request.sequence_id, request.base_length, list(request.emitted), cancel_through=request.cancel_through
+            )
+        )
         return drafter_pb2.DraftCommitReply()
 
     def CloseSequence(self, request, context):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -125,7 +126,15 @@ class FakeVerifier:
 
 
 class FakeDrafter:
-    """Guesses the target's next tokens, wrong wherever ``wrong(context)``; follows Commit like a real drafter."""
+    """Guesses the target's next tokens, wrong wherever ``wrong(context)``; follows Commit like a real drafter.
+
+    Pre-drafts are cancelled like a real drafter's: a Commit's ``cancel_through`` fails every pre-draft numbered up to
+    it that has not answered yet (``cancelled`` counts them, ``cancels`` lists the ids). With ``hold_predrafts`` a
+    pre-draft answers only once cancelled (or closed): a router that waited for it on a miss would hang. With
+    ``guess_rejections`` it pre-drafts like a multi-outcome drafter: each chain names up to two rejection verdicts
+    (its wrong positions, corrected by an oracle), a pre-draft also drafts on each, and a Commit equal to one makes
+    that chain the outstanding one.
+    """
 
     feature_width = 0
     kind = None
@@ -144,6 +153,10 @@ class FakeDrafter:
         self.calls = 0
         self.sequences: dict[str, dict] = {}
         self.log: list[str] = []
+        self.hold_predrafts = False
+        self.guess_rejections = False
+        self.cancelled = 0
+        self.cancels: list[int] = []
 
     def _fail(self, name: str) -> None:
         self.calls += 1
@@ -164,6 +177,10 @@ class FakeDrafter:
             "text": list(spec.prompt_ids),
             "outstanding": None,
             "gamma": spec.shape.num_draft_tokens,
+            "cancelled_through": 0,
+            "rejections": (),
+            "alternatives": {},
+            "alternatives_base": -1,
         }
 
     async def propose(
@@ -173,31 +190,70 @@ class FakeDrafter:
         *,
         assume_previous_accepted: bool,
         commit: Commit | None = None,
+        propose_id: int = 0,
     ) -> Drafted:
         if commit is not None:
             await self.commit(sequence_id, *commit)
         self._fail("propose-assume" if assume_previous_accepted else "propose")
         await asyncio.sleep(0)
+        while self.hold_predrafts and assume_previous_accepted and not self._cancelled(sequence_id, propose_id):
+            await asyncio.sleep(0.001)
+        if self._cancelled(sequence_id, propose_id):
+            self.cancelled += 1
+            raise WorkerUnavailableError(self.address, "CANCELLED", "cancelled by a Commit")
         state = self.sequences[sequence_id]
         assert max_tokens >= 1
+        outcomes: list[Drafted] = []
         if assume_previous_accepted:
             assert state["outstanding"] is not None, "assume needs an outstanding proposal"
+            state["alternatives"], state["alternatives_base"] = {}, len(state["text"])
+            for emitted in state["rejections"]:
+                alternative = self._draft(state, state["text"] + list(emitted), max_tokens)
+                state["alternatives"][emitted] = alternative.payload
+                outcomes.append(alternative)
             state["text"] = state["text"] + state["outstanding"]
+        drafted = self._draft(state, state["text"], max_tokens)
+        state["outstanding"], state["rejections"] = list(drafted.payload), drafted.rejections
+        return replace(drafted, outcomes=tuple(outcomes))
+
+    def _draft(self, state: dict, text: list[int], max_tokens: int) -> Drafted:
         chain: list[int] = []
         for _ in range(min(state["gamma"], max_tokens)):
-            chain.append(self._guess(state["text"] + chain))
-        state["outstanding"] = chain
-        return Drafted(TokenTree.chain(chain), tuple(chain), draft_ns=500, wire_bytes=8 * len(chain))
+            chain.append(self._guess(text + chain))
+        rejections = []
+        for index, token in enumerate(chain):
+            truth = self.next_token(text + chain[:index])
+            if self.guess_rejections and truth != token and len(rejections) < 2:
+                rejections.append((*chain[:index], truth))
+        path = tuple(range(len(chain)))
+        return Drafted(TokenTree.chain(chain), tuple(chain), 500, 8 * len(chain), path, tuple(rejections))
+
+    def _cancelled(self, sequence_id: str, propose_id: int) -> bool:
+        state = self.sequences.get(sequence_id)
+        return state is None or 0 < propose_id <= state["cancelled_through"]
 
     async def commit(
-        self, sequence_id: str, base_length: int, emitted: Sequence[int], features: object | None = None
+        self,
+        sequence_id: str,
+        base_length: int,
+        emitted: Sequence[int],
+        features: object | None = None,
+        cancel_through: int = 0,
     ) -> None:
         self._fail("commit")
         state = self.sequences[sequence_id]
+        state["cancelled_through"] = max(state["cancelled_through"], cancel_through)
+        if cancel_through:
+            self.cancels.append(cancel_through)
         assert base_length <= len(state["text"])
         new_text = state["text"][:base_length] + list(emitted)
+        alternatives, state["alternatives"] = state["alternatives"], {}
+        alternative = alternatives.get(tuple(emitted)) if base_length == state["alternatives_base"] else None
         if new_text != state["text"]:
-            state["text"], state["outstanding"] = new_text, None
+            state["text"], state["outstanding"], state["rejections"] = new_text, None, ()
+        if alternative is not None:
+            state["outstanding"] = list(alternative)
+            state["rejections"] = self._draft(state, new_text, len(alternative)).rejections
 
     async def close(self, sequence_id: str) -> None:
         self.sequences.pop(sequence_id, None)
@@ -270,7 +326,8 @@ def check_stats(final: Final, tokens: list[int], mode: str, finish_reason: str =
     assert final.completion_tokens == len(tokens) and final.prompt_tokens == len(PROMPT)
     assert sum(stats.accepted_per_position) == stats.accepted_tokens <= stats.draft_tokens
     if finish_reason == "length":  # every round emits its accepted tokens plus one, except a deferred bonus
-        assert len(tokens) == stats.accepted_tokens + stats.rounds - stats.pipeline_hits
+        deferred = stats.pipeline_hits - stats.pipeline_rejection_hits
+        assert len(tokens) == stats.accepted_tokens + stats.rounds - deferred
     if mode != "pipelined":
         assert stats.pipeline_hits == stats.pipeline_misses == 0
     if mode == "off":
@@ -458,3 +515,34 @@ def test_derived_seeds_are_deterministic_and_distinct() -> None:
         derive_seed(seed, role, attempt) for seed in range(3) for role in ("verifier", "drafter") for attempt in (0, 1)
     }
     assert len(seeds) == 12 and all(0 <= seed < 2**64 for seed in seeds)
+
+
+def test_a_miss_never_waits_for_its_predraft() -> None:
+    """Every guess is wrong and a pre-draft answers only once cancelled: the request still completes (exactly), each
+    miss's Commit having cancelled the pre-draft it would have thrown away."""
+    drafter = FakeDrafter(wrong_every=1)
+    drafter.hold_predrafts = True
+    placement = FakePlacement([FakeVerifier()], [drafter])
+    tokens, final, _ = run(make_plan("pipelined", max_tokens=20), placement)
+    assert tokens == reference(PROMPT, 20)[0]
+    check_stats(final, tokens, "pipelined")
+    assert final.stats.pipeline_hits == 0 and final.stats.pipeline_misses > 3
+    # every miss but the last (it ends the request) sent its Commit at once, cancelling the pre-draft it had started
+    assert len(set(drafter.cancels)) == len(drafter.cancels) >= final.stats.pipeline_misses - 1
+    assert drafter.cancelled > 0
+    assert not final.stats.drafter_fallback
+    assert_clean(placement)
+
+
+@pytest.mark.parametrize("wrong_every", [2, 3, 5])
+def test_a_predrafted_rejection_outcome_is_verified_next(wrong_every: int) -> None:
+    """Multi-outcome pre-drafting: a verdict equal to a guessed rejection selects the chain pre-drafted for it."""
+    drafter = FakeDrafter(wrong_every=wrong_every)
+    drafter.guess_rejections = True
+    placement = FakePlacement([FakeVerifier()], [drafter])
+    tokens, final, _ = run(make_plan("pipelined"), placement)
+    assert tokens == reference(PROMPT, 40)[0]
+    check_stats(final, tokens, "pipelined")
+    assert final.stats.pipeline_rejection_hits > 0
+    assert drafter.log.count("propose") < final.stats.rounds - final.stats.pipeline_hits + 2
+    assert_clean(placement)

@@ -2,7 +2,8 @@
 early-exit and eagle drafter services (the eagle head trained briefly on the expected outputs, so it accepts often
 and its features really travel verifier -> router -> drafter). Greedy chat output through the router, as token ids
 and as text, streamed or not, equals the co-located Engine's target-only output for the same chat-templated prompt
-(DESIGN §3)."""
+(DESIGN §3). The early-exit drafter pre-drafts for three outcomes (multi-outcome pre-drafting); the eagle drafter
+for one, pipelining trees too; every pipelined miss cancels its pre-draft."""
 
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ class Stack:
     def __init__(self, target: LoadedModel, eagle_head: Path) -> None:
         self.verifier = start_verifier(VerifierConfig(), model=target)
         self.ngram = start_drafter(DrafterConfig(kind="ngram"), target=target)
-        self.early = start_drafter(DrafterConfig(kind="early-exit", early_exit_layers=8), target=target)
+        self.early = start_drafter(
+            DrafterConfig(kind="early-exit", early_exit_layers=8, predraft_outcomes=3), target=target
+        )
         self.eagle = start_drafter(DrafterConfig(kind="eagle", draft_model=str(eagle_head)), target=target)
         config = RouterConfig(
             model=SMOLLM2,
@@ -95,13 +98,25 @@ def expected(target: LoadedModel) -> dict[str, list[int]]:
         ("eagle", "sequential", 4, 1),
         ("eagle", "pipelined", 4, 1),
         ("eagle", "sequential", 3, 2),
+        ("eagle", "pipelined", 3, 2),
+        ("early-exit", "pipelined", 2, 1),
         ("eagle", "auto", 4, 1),
     ],
-    ids=["ngram-pipelined", "early-exit", "eagle-chain", "eagle-chain-pipelined", "eagle-tree", "eagle-auto"],
+    ids=[
+        "ngram-pipelined",
+        "early-exit",
+        "eagle-chain",
+        "eagle-chain-pipelined",
+        "eagle-tree",
+        "eagle-tree-pipelined",
+        "early-exit-multi-outcome",
+        "eagle-auto",
+    ],
 )
 def test_grpc_chat_equals_colocated(
     stack: Stack, target, expected, drafter: str, speculation: str, gamma: int, width: int
 ) -> None:
+    cancelled = stack.early.scheduler.status().result(10).cancelled
     with Client(stack.router.grpc_address, timeout_s=120) as client:
         for name, text in PROMPTS.items():
             result = client.generate(
@@ -120,6 +135,10 @@ def test_grpc_chat_equals_colocated(
             if drafter == "eagle":  # accepted drafts, and the features that made them, crossed the wire
                 assert result.stats.accepted_tokens >= 0.3 * result.stats.draft_tokens, result.stats
                 assert result.stats.feature_bytes > 0
+            if speculation == "pipelined":
+                assert result.stats.pipeline_hits + result.stats.pipeline_misses > 0
+    if drafter == "early-exit" and speculation == "pipelined":  # its pre-drafts outlast a verify: misses cancel them
+        assert stack.early.scheduler.status().result(10).cancelled > cancelled
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -18,6 +18,22 @@ calls resolves it:
 
 After any of them the drafter proposes exactly what a drafter opened fresh on the new text would.
 
+**Multi-outcome pre-drafting** (Saguaro, "speculative speculative decoding"): with ``predraft_outcomes`` > 1 a
+proposal also names the most likely *rejection* verdicts of its assumed path (:class:`Rejection`: the first ``j``
+nodes accepted, then the draft's most probable other token as the correction). Before ``assume_accepted``,
+``pre_draft`` drafts one proposal on each such text; a later ``sync`` to one of them makes that proposal the
+outstanding one, as if it had been drafted after the sync. Why this is lossless: a pre-draft is only a proposal.
+The verifier still draws every correction itself from the residual ``norm(max(0, p - q))``, with its own random
+numbers, and commits that token whatever was guessed; the guess only decides which proposal, if any, can be
+sent next. The proposal sent was drawn from the ``q`` it carries, given the committed text, with the drafter's own
+random numbers, independent of the verifier's, so the acceptance rule applies to it exactly as to a fresh draft.
+
+A pre-draft can be stopped (``stop``, checked between forwards): the sequence then proposes nothing and has no
+outstanding proposal, and the next ``sync`` rolls its state back like any other. So that a seeded request draws the
+same random numbers however far a discarded pre-draft got, a ``sync`` that rolls back an assumption (no pre-drafted
+proposal selected) also puts the sequence's generator back where it was before that pre-draft drew anything. This
+reuse is exact: the discarded draws never reached the verifier, so they are independent of everything committed.
+
 Worked example of a pipelined round::
 
     open (5, 6)                       text (5, 6)
@@ -34,9 +50,9 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Generic, Literal, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -45,6 +61,7 @@ from specdec.sampling import SamplingParams
 from specdec.tree import ROOT, TokenTree
 
 TreeSampling = Literal["iid", "without_replacement"]
+StopCheck = Callable[[int], bool]  # handle -> whether to stop drafting for it now
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,8 @@ class DraftConfig:
     ``num_draft_tokens`` is the chain length γ, and the tree depth when ``tree_width > 1``.
     ``tree_budget`` caps the number of tree nodes (0: ``tree_width * num_draft_tokens``).
     ``draft_top_k`` truncates the draft distribution so ``q`` has small, exact support (DESIGN §5).
+    ``predraft_outcomes`` is the pre-drafting compute budget: proposals one pre-draft prepares (1: for full
+    acceptance only; each more: one rejection outcome, see the module docstring).
     """
 
     num_draft_tokens: int = 4
@@ -61,6 +80,7 @@ class DraftConfig:
     tree_budget: int = 0
     draft_top_k: int = 20
     tree_sampling: TreeSampling = "without_replacement"
+    predraft_outcomes: int = 1
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -73,6 +93,8 @@ class DraftConfig:
             raise InvalidArgumentError("draft_top_k", f"must be >= 0 (0: untruncated), got {self.draft_top_k}")
         if self.tree_sampling not in ("iid", "without_replacement"):
             raise InvalidArgumentError("tree_sampling", f"must be iid or without_replacement, got {self.tree_sampling}")
+        if self.predraft_outcomes < 1:
+            raise InvalidArgumentError("predraft_outcomes", f"must be >= 1, got {self.predraft_outcomes}")
 
     @property
     def max_nodes(self) -> int:
@@ -94,18 +116,30 @@ class DraftConfig:
         )
 
 
+class Rejection(NamedTuple):
+    """A guessed verdict of a proposal: ``accepted_path`` (root-to-node indices on the assumed path) accepted, then
+    a correction; ``emitted`` is their tokens followed by the guessed correction."""
+
+    accepted_path: tuple[int, ...]
+    emitted: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class Proposal:
     """Candidates for one sequence.
 
     ``draft_probs`` [N, V]: row i is the distribution node i was sampled from; ``None`` means the
     proposal is deterministic (model-free lookup, or greedy drafting) and ``q`` is one-hot per node.
-    ``scheme`` says how siblings were drawn, which decides the tree acceptance rule.
+    ``scheme`` says how siblings were drawn, which decides the tree acceptance rule. ``assumed_path`` is what
+    a pre-draft after it assumes accepted, ``rejections`` the rejection verdicts it also prepares for, most likely
+    first (see :class:`Outstanding`).
     """
 
     tree: TokenTree
     draft_probs: torch.Tensor | None
     scheme: TreeSampling = "iid"
+    assumed_path: tuple[int, ...] = ()
+    rejections: tuple[Rejection, ...] = ()
 
 
 class Drafter(Protocol):
@@ -119,8 +153,16 @@ class Drafter(Protocol):
         """Start a sequence on ``prompt`` (its own candidate shape: ``config``) and return its handle."""
         ...
 
-    def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
-        """Draft for each handle at most ``max_tokens[i]`` nodes (0: propose nothing)."""
+    def propose(self, handles: list[int], max_tokens: list[int], stop: StopCheck | None = None) -> list[Proposal]:
+        """Draft for each handle at most ``max_tokens[i]`` nodes (0: propose nothing); a handle ``stop`` names
+        between forwards stops (empty proposal, nothing outstanding)."""
+        ...
+
+    def pre_draft(
+        self, handles: list[int], max_tokens: list[int], stop: StopCheck | None = None
+    ) -> list[list[Proposal]]:
+        """Multi-outcome pre-drafting, before ``assume_accepted``: per handle, a proposal for each (leading) entry of
+        its outstanding proposal's ``rejections``."""
         ...
 
     def commit(self, handle: int, accepted_path: list[int], emitted: list[int]) -> None:
@@ -166,19 +208,29 @@ class Outstanding:
     """The last proposal of a sequence, hanging off the end of its text, until a call resolves it.
 
     ``assumed_path`` is what :meth:`SequenceDrafter.assume_accepted` appends: root-to-leaf node indices.
+    ``rejections`` are the verdicts :meth:`SequenceDrafter.pre_draft` prepares for.
     """
 
     tree: TokenTree
     assumed_path: tuple[int, ...]
+    rejections: tuple[Rejection, ...] = ()
 
 
 @dataclass(kw_only=True)
 class SequenceState:
-    """What every drafter keeps per sequence: the text, its candidate shape and the outstanding proposal."""
+    """What every drafter keeps per sequence: the text, its candidate shape and the outstanding proposal.
+
+    ``alternatives``: proposals pre-drafted for rejection verdicts (keyed by their ``emitted``) of the proposal
+    that hung off the first ``alternatives_base`` tokens; the next ``sync`` takes one or drops them all.
+    """
 
     text: list[int]
     config: DraftConfig
     outstanding: Outstanding | None = None
+    alternatives: dict[tuple[int, ...], Outstanding] = field(default_factory=dict)
+    alternatives_base: int = -1
+    generator: torch.Generator | None = None  # the random stream proposals are drawn from (None: deterministic)
+    rng_before_predraft: torch.Tensor | None = None  # the generator's state before the pending pre-draft drew
 
 
 S = TypeVar("S", bound=SequenceState)
@@ -237,8 +289,59 @@ class SequenceDrafter(ABC, Generic[S]):
         return list(self._sequence(handle).text)
 
     @abstractmethod
-    def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
-        """Draft for each handle at most ``max_tokens[i]`` nodes (0: propose nothing)."""
+    def propose(self, handles: list[int], max_tokens: list[int], stop: StopCheck | None = None) -> list[Proposal]:
+        """Draft for each handle at most ``max_tokens[i]`` nodes (0: none); ``stop``: see :class:`Drafter`."""
+
+    def pre_draft(
+        self, handles: list[int], max_tokens: list[int], stop: StopCheck | None = None
+    ) -> list[list[Proposal]]:
+        """Multi-outcome pre-drafting (module docstring): for every handle, one proposal per leading entry of its
+        outstanding proposal's ``rejections``, each drafted on ``text + emitted`` as a commit of that verdict would
+        leave it, batched across handles rank by rank; a handle ``stop`` names gets no more.
+
+        Afterwards each sequence has its text back and its outstanding proposal (without any scratch state, see
+        :meth:`_detached`), so ``assume_accepted`` and ``propose`` follow as for single-outcome pre-drafting.
+        """
+        states = [self._sequence(handle) for handle in handles]
+        for state in states:
+            _checkpoint_rng(state, overwrite=True)
+        saved = [(list(state.text), state.outstanding) for state in states]
+        drafted: list[list[Proposal]] = [[] for _ in handles]
+        alternatives: list[dict[tuple[int, ...], Outstanding]] = [{} for _ in handles]
+        try:
+            for rank in itertools.count():
+                batch = [
+                    index
+                    for index, (_, outstanding) in enumerate(saved)
+                    if outstanding is not None
+                    and rank < len(outstanding.rejections)
+                    and len(drafted[index]) == rank
+                    and not (stop is not None and stop(handles[index]))
+                ]
+                if not batch:
+                    break
+                for index in batch:
+                    text, outstanding = saved[index]
+                    assert outstanding is not None
+                    path, emitted = outstanding.rejections[rank]
+                    self._resync(states[index], text + list(emitted), list(path))
+                proposals = self.propose([handles[i] for i in batch], [max_tokens[i] for i in batch], stop)
+                for index, proposal in zip(batch, proposals, strict=True):
+                    text, outstanding = saved[index]
+                    state = states[index]
+                    if state.outstanding is not None:  # not stopped
+                        assert outstanding is not None
+                        alternatives[index][outstanding.rejections[rank].emitted] = self._detached(state.outstanding)
+                        drafted[index].append(proposal)
+                    self._resync(state, text, None)
+                    state.outstanding = self._detached(outstanding)
+        finally:
+            for state, (text, outstanding), found in zip(states, saved, alternatives, strict=True):
+                if state.text != text:  # an error mid-way: back to where the sequence was
+                    self._resync(state, text, None)
+                    state.outstanding = None if outstanding is None else self._detached(outstanding)
+                state.alternatives, state.alternatives_base = found, len(text)
+        return drafted
 
     def commit(self, handle: int, accepted_path: list[int], emitted: list[int]) -> None:
         """The verifier accepted ``accepted_path`` (root to leaf) of the outstanding proposal and emitted ``emitted``.
@@ -253,6 +356,7 @@ class SequenceDrafter(ABC, Generic[S]):
         if [tree.tokens[node] for node in path] != list(emitted[: len(path)]):
             raise InvalidArgumentError("emitted", "must start with the tokens of accepted_path")
         check_tokens("emitted", emitted, self.vocab_size)
+        state.alternatives, state.rng_before_predraft = {}, None
         self._resync(state, state.text + list(emitted), path)
 
     def assume_accepted(self, handle: int) -> None:
@@ -263,6 +367,7 @@ class SequenceDrafter(ABC, Generic[S]):
                 "assume_previous_accepted", "no outstanding proposal (it was committed, assumed or rolled back)"
             )
         tree, path = state.outstanding.tree, list(state.outstanding.assumed_path)
+        _checkpoint_rng(state, overwrite=False)  # pre_draft may have taken it already
         self._resync(state, state.text + [tree.tokens[node] for node in path], path)
 
     def sync(self, handle: int, base_length: int, emitted: list[int]) -> None:
@@ -274,8 +379,16 @@ class SequenceDrafter(ABC, Generic[S]):
         text = state.text[:base_length] + list(emitted)
         if not text:
             raise InvalidArgumentError("emitted", "the committed text must not become empty")
+        alternative = state.alternatives.get(tuple(emitted)) if base_length == state.alternatives_base else None
+        state.alternatives = {}
+        rolled_back = text != state.text and alternative is None
+        if rolled_back and state.rng_before_predraft is not None and state.generator is not None:
+            state.generator.set_state(state.rng_before_predraft)  # the discarded pre-draft's draws are reused
+        state.rng_before_predraft = None
         if text != state.text:  # equal: an assumed chain confirmed, nothing changes
             self._resync(state, text, None)
+        if alternative is not None:  # a pre-drafted rejection verdict came true: its proposal is outstanding
+            state.outstanding = alternative
 
     def _sequence(self, handle: int) -> S:
         state = self._sequences.get(handle)
@@ -312,6 +425,16 @@ class SequenceDrafter(ABC, Generic[S]):
     def _release(self, state: S) -> None:
         """Free what ``state`` holds outside this object (nothing by default)."""
 
+    def _detached(self, outstanding: Outstanding) -> Outstanding:
+        """``outstanding`` without references to scratch state a later forward overwrites (none by default)."""
+        return outstanding
+
+
+def _checkpoint_rng(state: SequenceState, *, overwrite: bool) -> None:
+    """Remember the generator's state before a pre-draft draws (see the module docstring)."""
+    if state.generator is not None and (overwrite or state.rng_before_predraft is None):
+        state.rng_before_predraft = state.generator.get_state()
+
 
 def check_tokens(field: str, tokens: Sequence[int], vocab_size: int | None) -> None:
     """Raise InvalidArgumentError naming ``field`` unless every id is in ``[0, vocab_size)``."""
@@ -343,6 +466,32 @@ def match_path(tree: TokenTree, tokens: Sequence[int]) -> list[int]:
                 (child, [*path, child]) for child in tree.children(node) if tree.tokens[child] == tokens[len(path)]
             )
     return best
+
+
+def likely_rejections(
+    tree: TokenTree,
+    path: Sequence[int],
+    path_probs: Sequence[float],
+    corrections: dict[int, tuple[int, float]],
+    count: int,
+) -> tuple[Rejection, ...]:
+    """The ``count`` most likely rejection verdicts along ``path`` by the draft's own estimate, most likely first.
+
+    Rejection at depth ``j``: ``path[:j]`` accepted, every child of node ``path[j-1]`` (ROOT for j = 0) rejected and
+    the correction ``corrections[node] = (token, rank)``, the draft's most probable token that is not such a child;
+    estimated probability ``path_probs[path[j-1]] * rank`` (1 at ROOT). With path ``[0, 1]``, tokens ``(5, 6)``,
+    path probabilities ``(0.9, 0.45)`` and corrections ``{ROOT: (7, 0.05), 0: (8, 0.3)}``, the verdicts are
+    ``((0,), (5, 8))`` (0.27), then ``((), (7,))`` (0.05).
+    """
+    scored = []
+    for depth in range(len(path)):
+        parent = path[depth - 1] if depth else ROOT
+        if parent in corrections:
+            token, rank = corrections[parent]
+            reach = path_probs[parent] if depth else 1.0
+            emitted = (*(tree.tokens[node] for node in path[:depth]), token)
+            scored.append((-reach * rank, depth, Rejection(tuple(path[:depth]), emitted)))
+    return tuple(rejection for _, _, rejection in sorted(scored)[:count])
 
 
 def most_probable_leaf_path(tree: TokenTree, path_probs: Sequence[float]) -> list[int]:

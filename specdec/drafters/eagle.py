@@ -28,15 +28,22 @@ from pathlib import Path
 import torch
 
 from specdec.attention_masks import attention_mask
-from specdec.drafters.base import DraftConfig, Outstanding, Proposal, SequenceDrafter, common_prefix_length
+from specdec.drafters.base import (
+    DraftConfig,
+    Outstanding,
+    Proposal,
+    SequenceDrafter,
+    StopCheck,
+    common_prefix_length,
+)
 from specdec.drafters.eagle_head import EagleHead, load_head, scaled_attention
-from specdec.drafters.model import SampledSequence, TreeDraft, draft_proposal, grow_level, most_probable_leaf_path
+from specdec.drafters.model import SampledSequence, TreeDraft, draft_proposal, grow_level, mark_stopped
 from specdec.errors import InvalidArgumentError
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Drafted(Outstanding):
     """An outstanding proposal with the head's predictions: ``root_prediction`` at the text's last token and
     one per node that went through a forward (``None`` for the deepest level)."""
@@ -53,6 +60,7 @@ class _Sequence(SampledSequence):
     committed: int = 0  # head positions with KV (1 .. committed), each read from a true feature
     features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [capacity, hidden]
     num_features: int = 0  # true features F_0 .. F_(num_features - 1)
+    fresh_from: int | None = None  # rows from here on were given since the last resync: for the text that comes
     predicted: dict[int, torch.Tensor] = field(default_factory=dict)  # text position -> the head's g there
 
 
@@ -143,16 +151,21 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         if start < state.num_features and state.committed > start:  # re-sent rows: head KV read the old ones
             state.committed = start
         state.num_features = max(state.num_features, end)
+        state.fresh_from = start if state.fresh_from is None else min(state.fresh_from, start)
 
     @torch.inference_mode()
-    def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
+    def propose(self, handles: list[int], max_tokens: list[int], stop: StopCheck | None = None) -> list[Proposal]:
         states = self._sequences_for(handles, max_tokens)
         rounds = [self._plan(state, budget) for state, budget in zip(states, max_tokens, strict=True)]
-        growing = [r for r in rounds if r is not None]
+        planned = [(handle, plan) for handle, plan in zip(handles, rounds, strict=True) if plan is not None]
+        drafts, planned_handles = [plan.draft for _, plan in planned], [handle for handle, _ in planned]
+        mark_stopped(drafts, planned_handles, stop)
+        growing = [plan for _, plan in planned if not plan.draft.stopped]
         if growing:
             self._forward_pending(growing)
             for depth in range(1, max(r.draft.levels for r in growing)):
-                level = [r for r in growing if depth < r.draft.levels and r.draft.frontier]
+                mark_stopped(drafts, planned_handles, stop)
+                level = [r for r in growing if depth < r.draft.levels and r.draft.frontier and not r.draft.stopped]
                 level = [r for r in level if len(r.draft.tokens) < r.draft.budget]
                 if not level:
                     break
@@ -160,21 +173,28 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         proposals = []
         for state, plan in zip(states, rounds, strict=True):
             if plan is None:
-                state.outstanding = _Drafted(TokenTree.empty(), (), len(state.text), None, ())
+                state.outstanding = _Drafted(
+                    TokenTree.empty(), (), base_length=len(state.text), root_prediction=None, node_predictions=()
+                )
+                proposals.append(Proposal(TokenTree.empty(), None))
+                continue
+            draft = plan.draft
+            if draft.stopped:  # nothing outstanding; its scratch is dropped
                 proposals.append(Proposal(TokenTree.empty(), None))
                 continue
             self._commit_true_rows(state, plan)
-            draft = plan.draft
             tree = draft.tree
             predictions = plan.node_predictions + [None] * (len(tree) - len(plan.node_predictions))
+            assumed, rejections = draft.outstanding_fields()
             state.outstanding = _Drafted(
                 tree,
-                tuple(most_probable_leaf_path(tree, draft.path_probs)),
-                len(state.text),
-                plan.root_prediction,
-                tuple(predictions),
+                assumed,
+                rejections,
+                base_length=len(state.text),
+                root_prediction=plan.root_prediction,
+                node_predictions=tuple(predictions),
             )
-            proposals.append(draft_proposal(draft))
+            proposals.append(draft_proposal(draft, assumed, rejections))
         return proposals
 
     def _plan(self, state: _Sequence, budget: int) -> _Round | None:
@@ -289,8 +309,12 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     def _resync(self, state: _Sequence, text: list[int], path: list[int] | None) -> None:
         drafted, state.outstanding = state.outstanding, None
         agree = common_prefix_length(state.text, text)
-        # F_p depends on t_0 .. t_p; rows past the old text came for this new text (given before the commit)
-        state.num_features = min(state.num_features, len(text) if agree == len(state.text) else agree)
+        # F_p depends on t_0 .. t_p. Rows given since the last resync came for this new text (before its commit),
+        # even past where it leaves the old one (a tree's verdict on another leaf than the assumed one); older rows
+        # hold only up to ``agree``.
+        fresh = agree == len(state.text) or (state.fresh_from is not None and state.fresh_from <= agree)
+        state.num_features = min(state.num_features, len(text) if fresh else agree)
+        state.fresh_from = None
         state.committed = min(state.committed, max(agree - 1, 0), state.num_features)
         state.predicted = {p: g for p, g in state.predicted.items() if state.num_features <= p < agree}
         if path and isinstance(drafted, _Drafted) and drafted.base_length == len(state.text) <= agree:

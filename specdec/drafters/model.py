@@ -17,7 +17,7 @@ When the text moves on (commit, assume, sync; see :mod:`specdec.drafters.base`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,9 +25,12 @@ from specdec.drafters.base import (
     DraftConfig,
     Outstanding,
     Proposal,
+    Rejection,
     SequenceDrafter,
     SequenceState,
+    StopCheck,
     common_prefix_length,
+    likely_rejections,
     match_path,
     most_probable_leaf_path,
 )
@@ -44,7 +47,7 @@ class _Drafted(Outstanding):
     ``forwarded_nodes`` is None when no forward ran for it (nothing was drafted).
     """
 
-    forwarded_nodes: int | None
+    forwarded_nodes: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -64,7 +67,9 @@ class _Sequence(SampledSequence):
 class TreeDraft:
     """One sequence's tree under construction; ``levels`` is its depth limit this round.
 
-    ``sequence`` is any drafter's sequence state with ``config``, ``params`` and ``generator``.
+    ``sequence`` is any drafter's sequence state with ``config``, ``params`` and ``generator``. ``corrections``
+    (multi-outcome pre-drafting only): per expanded node, the draft's most probable token that is not one of its
+    children, and that token's ranking probability. ``stopped``: the drafting was stopped before it finished.
     """
 
     sequence: SampledSequence
@@ -76,10 +81,19 @@ class TreeDraft:
     path_probs: list[float] = field(default_factory=list)
     frontier: list[int] = field(default_factory=lambda: [ROOT])
     forwarded_nodes: int | None = None
+    corrections: dict[int, tuple[int, float]] = field(default_factory=dict)
+    stopped: bool = False
 
     @property
     def tree(self) -> TokenTree:
         return TokenTree(tuple(self.tokens), tuple(self.parents))
+
+    def outstanding_fields(self) -> tuple[tuple[int, ...], tuple[Rejection, ...]]:
+        """The finished tree's assumed path and the rejection verdicts a pre-draft after it prepares for."""
+        tree = self.tree
+        path = most_probable_leaf_path(tree, self.path_probs)
+        count = self.sequence.config.predraft_outcomes - 1
+        return tuple(path), likely_rejections(tree, path, self.path_probs, self.corrections, count)
 
 
 class ModelDrafter(SequenceDrafter[_Sequence]):
@@ -97,10 +111,11 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
         """Positions of the text whose KV is committed in the runner (at most ``len(text) - 1``)."""
         return self.runner.length(self._sequence(handle).runner_seq)
 
-    def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
+    def propose(self, handles: list[int], max_tokens: list[int], stop: StopCheck | None = None) -> list[Proposal]:
         """Draft level by level, one batched forward per level over every sequence still growing.
 
-        A sequence drafts at most as deep as the runner's context allows; at its end it proposes nothing.
+        A sequence drafts at most as deep as the runner's context allows; at its end it proposes nothing. A handle
+        ``stop`` names before a level's forward stops there (empty proposal, nothing outstanding).
         """
         drafts = []
         for sequence, budget in zip(self._sequences_for(handles, max_tokens), max_tokens, strict=True):
@@ -108,7 +123,10 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
             levels = max(0, min(sequence.config.num_draft_tokens, room))
             drafts.append(TreeDraft(sequence, min(budget, sequence.config.max_nodes), levels))
         for depth in range(max((draft.levels for draft in drafts), default=0)):
-            growing = [d for d in drafts if depth < d.levels and d.frontier and len(d.tokens) < d.budget]
+            mark_stopped(drafts, handles, stop)
+            growing = [
+                d for d in drafts if depth < d.levels and d.frontier and len(d.tokens) < d.budget and not d.stopped
+            ]
             if not growing:
                 break
             items = [ForwardItem(d.sequence.runner_seq, self._pending(d.sequence), d.tree) for d in growing]
@@ -117,10 +135,12 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
                 grow_level(draft, logits, levels_left=draft.levels - depth)
         proposals = []
         for draft in drafts:
-            tree = draft.tree
-            assumed = most_probable_leaf_path(tree, draft.path_probs)
-            draft.sequence.outstanding = _Drafted(tree, tuple(assumed), draft.forwarded_nodes)
-            proposals.append(draft_proposal(draft))
+            if draft.stopped:
+                proposals.append(Proposal(TokenTree.empty(), None))
+                continue
+            assumed, rejections = draft.outstanding_fields()
+            draft.sequence.outstanding = _Drafted(draft.tree, assumed, rejections, draft.forwarded_nodes)
+            proposals.append(draft_proposal(draft, assumed, rejections))
         return proposals
 
     def _pending(self, sequence: _Sequence) -> list[int]:
@@ -165,6 +185,17 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
     def _release(self, state: _Sequence) -> None:
         self.runner.close(state.runner_seq)
 
+    def _detached(self, outstanding: Outstanding) -> Outstanding:
+        """Its nodes' KV is no longer in the runner's scratch: a commit of it recomputes them as pending input."""
+        return replace(outstanding, forwarded_nodes=None) if isinstance(outstanding, _Drafted) else outstanding
+
+
+def mark_stopped(drafts: list[TreeDraft], handles: list[int], stop: StopCheck | None) -> None:
+    """Mark ``stopped`` the drafts (``drafts[i]`` is ``handles[i]``'s) whose handle ``stop`` names now."""
+    if stop is not None:
+        for draft, handle in zip(drafts, handles, strict=True):
+            draft.stopped = draft.stopped or stop(handle)
+
 
 def grow_level(draft: TreeDraft, logits: torch.Tensor, levels_left: int) -> None:
     """Add one level of children under the frontier; ``logits`` [1 + N, V] from the forward.
@@ -182,6 +213,7 @@ def grow_level(draft: TreeDraft, logits: torch.Tensor, levels_left: int) -> None
     # On the host: children are drawn with the sequence's CPU generator, and the rows go over the wire.
     rows = logits_to_probs(node_logits, sequence.params.with_top_k_cap(config.draft_top_k)).cpu()
     ranking = torch.softmax(node_logits.float(), dim=-1) if sequence.params.greedy else rows
+    predrafting = config.predraft_outcomes > 1
     new_frontier = []
     level_room = max(1, (draft.budget - len(draft.tokens)) // levels_left)
     for node, row_logits, q, rank in zip(expand, node_logits, rows, ranking, strict=True):
@@ -190,6 +222,11 @@ def grow_level(draft: TreeDraft, logits: torch.Tensor, levels_left: int) -> None
             break
         children = draw_children(row_logits, q, count, sequence)
         level_room -= len(children)
+        if predrafting:
+            others = rank.clone()
+            others[children] = 0
+            if float(others.max()) > 0:
+                draft.corrections[node] = (int(others.argmax()), float(others.max()))
         for token in children:
             draft.tokens.append(token)
             draft.parents.append(node)
@@ -217,9 +254,9 @@ def draw_children(row_logits: torch.Tensor, q: torch.Tensor, count: int, sequenc
     return torch.multinomial(q, count, replacement=True, generator=sequence.generator).tolist()
 
 
-def draft_proposal(draft: TreeDraft) -> Proposal:
-    """The finished tree with its draft rows (none under greedy: ``q`` is one-hot)."""
+def draft_proposal(draft: TreeDraft, assumed: tuple[int, ...], rejections: tuple[Rejection, ...]) -> Proposal:
+    """The finished tree with its draft rows (none under greedy: ``q`` is one-hot), assumed path and rejections."""
     if draft.sequence.params.greedy:
-        return Proposal(draft.tree, None)
+        return Proposal(draft.tree, None, "iid", assumed, rejections)
     probs = torch.stack(draft.rows) if draft.rows else None
-    return Proposal(draft.tree, probs, draft.sequence.config.tree_sampling)
+    return Proposal(draft.tree, probs, draft.sequence.config.tree_sampling, assumed, rejections)

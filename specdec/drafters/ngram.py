@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import DraftConfig, Outstanding, Proposal, SequenceDrafter, SequenceState
+from specdec.drafters.base import DraftConfig, Outstanding, Proposal, SequenceDrafter, SequenceState, StopCheck
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
@@ -41,14 +41,15 @@ class NgramDrafter(SequenceDrafter[SequenceState]):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, handles: list[int], max_tokens: list[int]) -> list[Proposal]:
+    def propose(self, handles: list[int], max_tokens: list[int], stop: StopCheck | None = None) -> list[Proposal]:
+        """Chains by lookup (one step, nothing to stop)."""
         proposals = []
         for state, budget in zip(self._sequences_for(handles, max_tokens), max_tokens, strict=True):
             limit = min(budget, state.config.num_draft_tokens)
             draft = lookup_continuation(state.text, self.max_ngram, self.min_ngram, limit) if limit > 0 else []
             tree = TokenTree.chain(draft)
             state.outstanding = Outstanding(tree, tuple(range(len(tree))))
-            proposals.append(Proposal(tree, None))
+            proposals.append(Proposal(tree, None, "iid", tuple(range(len(tree)))))
         return proposals
 
     def _start(
