@@ -81,6 +81,10 @@ class DraftShape:
     tree_width: int = 1
     tree_budget: int = 0
 
+    @property
+    def is_chain(self) -> bool:
+        return self.tree_width <= 1
+
 
 @dataclass(frozen=True)
 class Plan:
