@@ -344,7 +344,10 @@ def test_simulated_stack_serves_concurrent_sdk_requests(tmp_path: Path) -> None:
     async def drive(address: str) -> list:
         async with AsyncClient(address, timeout_s=60) as client:
             return await asyncio.gather(
-                *(client.generate("Tell me a story.", max_tokens=64, seed=index) for index in range(20))
+                *(
+                    client.generate("Tell me a story.", max_tokens=64, seed=index, speculation="pipelined")
+                    for index in range(20)
+                )
             )
 
     with simulated_stack(config, log_dir=tmp_path) as stack:

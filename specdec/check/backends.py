@@ -13,8 +13,6 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
-
 from specdec.errors import SpecdecError
 
 MAX_RETRIES = 20
@@ -101,9 +99,12 @@ class HttpBackend:
     """
 
     def __init__(self, base_url: str, *, bearer_token: str | None, timeout_s: float) -> None:
+        import aiohttp  # here: `specdec` (whose CLI registers the check) must start without it
+
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
         self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s))
+        self._client_errors = (aiohttp.ClientError, TimeoutError)
 
     def _body(self, prompt: Prompt, chat: bool, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {key: value for key, value in options.items()}
@@ -125,7 +126,7 @@ class HttpBackend:
                         await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
                         continue
                     answer = await response.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError) as error:
+            except self._client_errors as error:
                 raise CheckRequestError(f"{self.base_url}{path}: {error!r}") from None
             if response.status != 200:
                 message = answer.get("error", {}).get("message") if isinstance(answer, dict) else answer

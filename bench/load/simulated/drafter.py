@@ -22,7 +22,7 @@ from specdec_wire.v1 import common_pb2, drafter_pb2
 from bench.load.simulated.common import ROOT, check_sequence_id, children_of, not_open
 from bench.load.simulated.config import WorkerConfig
 from bench.load.simulated.device import Batched, Batcher
-from specdec.errors import CapacityError, InvalidArgumentError
+from specdec.errors import CancelledByCallerError, CapacityError, InvalidArgumentError
 
 DEFAULT_DRAFT_TOKENS = 4  # the real drafter's default chain length (DraftConfig)
 
@@ -123,6 +123,7 @@ class _ProposeJob:
     sequence_id: str
     max_tokens: int
     assume_previous_accepted: bool
+    propose_id: int = 0  # 0: never cancelled
 
 
 class SimDrafter:
@@ -131,6 +132,9 @@ class SimDrafter:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.sequences: dict[str, DraftSequence] = {}
+        # Per sequence, the highest propose_id a Commit cancelled (as the real drafter: a pre-draft the router
+        # abandoned is answered CANCELLED, never drafted on a text a later Commit already changed).
+        self._cancelled_through: dict[str, int] = {}
         self.token_range = (config.first_token_id, config.vocab_size)
         self.batcher: Batcher[_ProposeJob, common_pb2.Proposal] = Batcher(
             self._draft,
@@ -166,16 +170,20 @@ class SimDrafter:
         )
 
     async def propose(
-        self, sequence_id: str, max_tokens: int, assume_previous_accepted: bool
+        self, sequence_id: str, max_tokens: int, assume_previous_accepted: bool, propose_id: int = 0
     ) -> Batched[common_pb2.Proposal]:
         check_sequence_id(sequence_id)
         if max_tokens < 0:
             raise InvalidArgumentError("max_tokens", f"must be >= 0, got {max_tokens}")
-        return await self.batcher.submit(_ProposeJob(sequence_id, max_tokens, assume_previous_accepted))
+        return await self.batcher.submit(_ProposeJob(sequence_id, max_tokens, assume_previous_accepted, propose_id))
 
-    def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int]) -> None:
+    def commit(self, sequence_id: str, base_length: int, emitted: Sequence[int], cancel_through: int = 0) -> None:
         """The committed text is now ``text[:base_length] + emitted``; an unchanged text keeps the outstanding
-        proposal (a confirmed assumed chain), any other clears it."""
+        proposal (a confirmed assumed chain), any other clears it. ``cancel_through`` cancels the sequence's
+        unanswered Proposes numbered up to it."""
+        if cancel_through > 0:
+            previous = self._cancelled_through.get(sequence_id, 0)
+            self._cancelled_through[sequence_id] = max(previous, cancel_through)
         sequence = self._get(sequence_id)
         if not 0 <= base_length <= len(sequence.text):
             raise InvalidArgumentError("base_length", f"must be in [0, {len(sequence.text)}], got {base_length}")
@@ -187,6 +195,7 @@ class SimDrafter:
 
     def close(self, sequence_id: str) -> None:
         self.sequences.pop(sequence_id, None)
+        self._cancelled_through.pop(sequence_id, None)
 
     def _get(self, sequence_id: str) -> DraftSequence:
         sequence = self.sequences.get(sequence_id)
@@ -196,6 +205,8 @@ class SimDrafter:
 
     def _draft(self, job: _ProposeJob) -> common_pb2.Proposal:
         sequence = self._get(job.sequence_id)
+        if job.propose_id and job.propose_id <= self._cancelled_through.get(job.sequence_id, 0):
+            raise CancelledByCallerError(f"propose {job.propose_id} of {job.sequence_id!r} was cancelled by a Commit")
         if job.assume_previous_accepted:
             if sequence.assumed is None:
                 raise InvalidArgumentError(

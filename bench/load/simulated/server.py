@@ -160,7 +160,9 @@ class SimDrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Propose(
         self, request: drafter_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> drafter_pb2.ProposeReply:
-        answer = await self.drafter.propose(request.sequence_id, request.max_tokens, request.assume_previous_accepted)
+        answer = await self.drafter.propose(
+            request.sequence_id, request.max_tokens, request.assume_previous_accepted, request.propose_id
+        )
         proposal = answer.result
         return drafter_pb2.ProposeReply(proposal=proposal, draft_ns=answer.latency_ns, wire_bytes=proposal.ByteSize())
 
@@ -168,7 +170,7 @@ class SimDrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Commit(
         self, request: drafter_pb2.DraftCommitRequest, context: grpc.aio.ServicerContext
     ) -> drafter_pb2.DraftCommitReply:
-        self.drafter.commit(request.sequence_id, request.base_length, request.emitted)
+        self.drafter.commit(request.sequence_id, request.base_length, request.emitted, request.cancel_through)
         return drafter_pb2.DraftCommitReply()
 
     @_mapped
