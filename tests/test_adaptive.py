@@ -68,7 +68,20 @@ def test_no_speculation_when_every_position_costs_a_forward() -> None:
     # Beside 40 plain target steps (one token per position) the same holds; beside a batch committing fewer
     # tokens per position than a draft token's 0.9, drafting raises the batch's tokens per second.
     assert controller.choose([Candidate(fixed_tracker(0.9), 8)], other_positions=40, other_tokens=40) == [0]
-    assert controller.choose([Candidate(fixed_tracker(0.9), 8)], other_positions=40, other_tokens=20) != [0]
+    assert controller.choose([Candidate(fixed_tracker(0.9), 8)], other_positions=40, other_tokens=15) != [0]
+
+
+def test_speculation_must_beat_plain_steps_by_the_margin() -> None:
+    # γ = 1 accepted at 0.5 commits 1.5 tokens; a forward of 2 positions costs 14.4 ms against 10 ms for one:
+    # 104.2 tokens/s against 100, a predicted 4 % gain, inside the default 5 % margin, so no drafting...
+    controller = controller_with(lambda n: 10 + 4.4 * (n - 1), max_length=1)
+    assert controller.choose([Candidate(fixed_tracker(0.5, 1), 1)]) == [0]
+    # ...which a controller without the margin would take, and at 13 ms (115 tokens/s) the default takes too
+    controller.min_gain = 0.0
+    assert controller.choose([Candidate(fixed_tracker(0.5, 1), 1)]) == [1]
+    assert controller_with(lambda n: 10 + 3.0 * (n - 1), max_length=1).choose(
+        [Candidate(fixed_tracker(0.5, 1), 1)]
+    ) == [1]
 
 
 def test_batch_choice_is_the_brute_force_optimum_without_draft_cost() -> None:
