@@ -83,7 +83,9 @@ def test_load_over_both_apis(
     options = RequestOptions(max_tokens=MAX_TOKENS, ignore_eos=True, speculation=speculation, num_draft_tokens=3)
     spec = LoadSpec(qps=20.0, num_requests=REQUESTS, warmup_requests=1, seed=4)
     run = asyncio.run(
-        run_load(backend, prompts, options, spec, progress=False, metrics_url=f"http://{router.http_address}/metrics")
+        run_load(
+            backend, prompts, options, spec, progress=False, metrics_urls=[f"http://{router.http_address}/metrics"]
+        )
     )
     summary = summarize(run)
     assert (summary["completed"], summary["failed"], summary["warmup_requests"]) == (REQUESTS, 0, 1)
@@ -219,7 +221,7 @@ def test_cli_finds_the_router_of_specdec_up(
     state = {
         "supervisor_pid": 1,
         "status": "ready",
-        "router": {"grpc": router.grpc_address, "http": router.http_address},
+        "routers": [{"grpc": router.grpc_address, "http": router.http_address}],
     }
     monkeypatch.setenv("SPECDEC_STATE_FILE", str(tmp_path / "state.json"))
     (tmp_path / "state.json").write_text(json.dumps(state))
@@ -228,5 +230,5 @@ def test_cli_finds_the_router_of_specdec_up(
     assert main(argv) == 0
     document = json.loads((tmp_path / "up.json").read_text())
     assert document["completed"] == 4 and document["concurrency"] == 2 and document["metrics_error"] is None
-    assert document["config"]["router_http"] == f"http://{router.http_address}"
+    assert document["config"]["router_http"] == [f"http://{router.http_address}"]
     assert "| load | closed loop, 2 concurrent |" in capsys.readouterr().out

@@ -596,13 +596,14 @@ def test_cpu_smoke_config_map_brings_up_the_same_topology_locally(tmp_path: Path
     served = _ports("overlays/cpu-smoke", dep)
     status = report["status"]
     # the ports the manifests' probes, Services and monitors name are the ones the services bound
-    assert status["router"]["grpc"].endswith(f":{served['router']['grpc']}")
-    assert status["router"]["http"].endswith(f":{served['router']['http']}")
+    [router] = status["routers"]
+    assert router["grpc"].endswith(f":{served['router']['grpc']}")
+    assert router["http"].endswith(f":{served['router']['http']}")
     roles = sorted((w["role"], w["address"].rsplit(":", 1)[1], w["health"]) for w in status["workers"])
     expected = [("drafter", str(served["drafter"]["grpc"]), "SERVING")] * (dep.num_drafters * len(dep.drafter_kinds))
     expected += [("verifier", str(served["verifier"]["grpc"]), "SERVING")] * dep.num_verifiers
     assert roles == sorted(expected)
-    assert status["router"]["health"] == "SERVING"
+    assert router["health"] == "SERVING"
     outputs = list(report["sdk"].values())
     assert all(output == outputs[0] for output in outputs), "greedy output differs between speculation modes"
     assert report["state_removed"]
