@@ -16,6 +16,7 @@ never name the same one) and leases them on its own, so a verifier or drafter se
 machine each router binds its own free ports and clients spread themselves over the addresses the state file lists
 (:func:`specdec.client.router_target` makes one round-robin gRPC target of them); fixed ports are for a cluster,
 where every router has a pod, and its node's address, of its own.
+
 With ``tls_dir`` (``specdec up --tls-dir DIR``, layout in :class:`TlsDir`) every service gets ``--tls-cert`` /
 ``--tls-key`` / ``--tls-ca``: all gRPC traffic is mutual TLS and the router's HTTP port serves HTTPS; metrics ports
 of the workers stay plain HTTP.
