@@ -15,7 +15,8 @@ gRPC's ``round_robin`` load-balancing policy, so their calls spread over every a
 (the default, ``pick_first``, would send them all to the first). On one machine :func:`router_target` makes that
 target of the addresses ``specdec status`` lists; on Kubernetes it is ``dns:///`` and the headless Service
 (``dns:///specdec-router-headless.specdec.svc.cluster.local:50051``), whose DNS name resolves to every ready router
-pod. A single ``host:port`` works as before.
+pod. A single ``host:port`` works as before. An ``ipv4:`` target carries no host name, so with TLS set
+``TlsFiles.server_name`` to a name the routers' certificate holds.
 
 Every call carries a deadline (``timeout_s``, per client or per call). Failures raise a :class:`ClientError`
 subclass chosen by status code: :class:`InvalidArgument` (the message names the field), :class:`Overloaded`
