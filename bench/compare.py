@@ -235,7 +235,7 @@ def qps_sweep(stack: Any, args: argparse.Namespace, prompts: list, options: Any)
             modes=["off", "pipelined"],
             slo=slo,
             progress=False,
-            metrics_url=f"{stack.base_url}/metrics",
+            metrics_urls=[f"{stack.base_url}/metrics"],
             report=finished,
         )
     )

@@ -28,7 +28,7 @@ DOWN_TIMEOUT_S = 120
 
 def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Add ``up``, ``status`` and ``down``; return their run functions (a :data:`specdec.cli.Register`)."""
-    up = subparsers.add_parser("up", help="start router, drafters and verifiers on Ray, return when all serve")
+    up = subparsers.add_parser("up", help="start routers, drafters and verifiers on Ray, return when all serve")
     up.add_argument("--address", help="existing Ray cluster (default: start a local one)")
     up.add_argument("--config", type=Path, help="TOML file with any of the options below")
     up.add_argument(
@@ -49,6 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
     up.add_argument("--eagle-head", help="head directory of eagle drafters (default: the head cached for the target)")
     up.add_argument("--num-drafters", type=int, help="drafters per kind; default 1")
     up.add_argument("--num-verifiers", type=int, help="default 1")
+    up.add_argument(
+        "--num-routers",
+        type=int,
+        help="router processes, all sharing every worker; clients spread over their addresses (default 1)",
+    )
     up.add_argument("--verifier-gpus", type=int, help="GPUs (tensor-parallel ranks) per verifier; default 0")
     up.add_argument("--num-cpus", type=int, help="CPUs of a local Ray instance (default: all)")
     up.add_argument(
@@ -101,7 +106,7 @@ def up(args: argparse.Namespace, path: Path) -> dict:
         if path.exists():
             state = ClusterState.load(path)
             if state.status == "ready":
-                return {"router": state.router, "workers": state.workers}
+                return {"routers": state.routers, "workers": state.workers}
             if state.status == "failed":
                 supervisor.wait(DOWN_TIMEOUT_S)
                 path.unlink(missing_ok=True)
@@ -114,10 +119,14 @@ def up(args: argparse.Namespace, path: Path) -> dict:
 
 
 def status(path: Path) -> dict:
+    """The deployment's addresses and health; ``router_target`` is the one gRPC target over all its routers."""
+    from specdec.client import router_target  # gRPC, as `health` below
+
     state = ClusterState.load(path)
     return {
         "ray_address": state.ray_address,
-        "router": {**state.router, "health": health(state.router["grpc"], state.tls_dir)},
+        "router_target": router_target([router["grpc"] for router in state.routers]) if state.routers else "",
+        "routers": [{**router, "health": health(router["grpc"], state.tls_dir)} for router in state.routers],
         "workers": [{**worker, "health": health(worker["address"], state.tls_dir)} for worker in state.workers],
     }
 
@@ -149,9 +158,11 @@ def _run_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    router = report["router"]
-    metrics = router.get("metrics", "")
-    print(f"router    gRPC {router['grpc']}  HTTP {router['http']}  {router['health']}  {metrics}")
+    for router in report["routers"]:
+        metrics = router.get("metrics", "")
+        print(f"router    gRPC {router['grpc']}  HTTP {router['http']}  {router['health']}  {metrics}")
+    if len(report["routers"]) > 1:
+        print(f"{len(report['routers'])} routers; SDK target over all: {report['router_target']}")
     for worker in report["workers"]:
         print(f"{worker['role']:<9} {worker['address']}  {worker['health']}  {worker.get('metrics', '')}")
     return 0

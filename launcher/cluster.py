@@ -5,11 +5,18 @@ without ``--address`` it starts a local Ray instance, otherwise it joins the giv
 :class:`launcher.supervise.Supervisor` places the verifiers (each in a placement group of one bundle of
 ``verifier_gpus`` GPUs on one node, held by an actor whose child processes are its tensor-parallel ranks;
 on a cluster also asking for the custom ``verifier`` resource), the drafters (asking for the custom
-``drafter`` resource on a cluster) and the router (asking for the custom ``router`` resource on a cluster:
-on Kubernetes the pods its Service selects), records their addresses (gRPC, and the URL of each one's
-Prometheus metrics) in a state file, and keeps them placed and scaled until ``specdec down`` signals it;
-then it stops the services and Ray. Services bind loopback on a local instance and their node's address
+``drafter`` resource on a cluster) and ``num_routers`` routers (asking for the custom ``router`` resource on a
+cluster: on Kubernetes the pods its Service selects, one router per pod), records their addresses (gRPC, and the
+URL of each one's Prometheus metrics) in a state file, and keeps them placed and scaled until ``specdec down``
+signals it; then it stops the services and Ray. Services bind loopback on a local instance and their node's address
 on a cluster.
+
+Router replicas share every worker: each router opens its own sequences (ids random per request, so two routers
+never name the same one) and leases them on its own, so a verifier or drafter serves any number of routers. On one
+machine each router binds its own free ports and clients spread themselves over the addresses the state file lists
+(:func:`specdec.client.router_target` makes one round-robin gRPC target of them); fixed ports are for a cluster,
+where every router has a pod, and its node's address, of its own.
+
 With ``tls_dir`` (``specdec up --tls-dir DIR``, layout in :class:`TlsDir`) every service gets ``--tls-cert`` /
 ``--tls-key`` / ``--tls-ca``: all gRPC traffic is mutual TLS and the router's HTTP port serves HTTPS; metrics ports
 of the workers stay plain HTTP.
@@ -17,6 +24,7 @@ of the workers stay plain HTTP.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -89,6 +97,7 @@ class Deployment:
     eagle_head: str | None = None  # head directory of eagle drafters (None: the one cached for the target)
     num_drafters: int = 1  # per kind
     num_verifiers: int = 1
+    num_routers: int = 1  # router processes sharing all the workers (see the module docstring)
     verifier_gpus: int = 0
     verifier_args: tuple[str, ...] = ()
     drafter_args: tuple[str, ...] = ()
@@ -113,7 +122,7 @@ class ClusterState:
     ray_address: str = ""
     status: str = "starting"  # starting, ready or failed
     error: str = ""
-    router: dict[str, str] = field(default_factory=dict)
+    routers: list[dict[str, str]] = field(default_factory=list)  # each serving router's addresses
     workers: list[dict[str, str]] = field(default_factory=list)
     tls_dir: str = ""  # the deployment's TlsDir ("": plaintext), so that `status` can dial it
 
@@ -159,6 +168,26 @@ def router_argv(deployment: Deployment, workers: list[dict[str, str]]) -> list[s
     for worker in workers:
         argv += [f"--{worker['role']}", worker["address"]]
     return argv
+
+
+def check_router_ports(deployment: Deployment, *, in_cluster: bool) -> None:
+    """Raise ValueError for a deployment whose routers cannot all serve: fewer than one, or several on one machine
+    with a port fixed by ``router_args`` (they would all bind it: aiohttp refuses the second HTTP bind, while gRPC,
+    which sets SO_REUSEPORT, would share its port silently)."""
+    if deployment.num_routers < 1:
+        raise ValueError(f"num_routers must be >= 1, got {deployment.num_routers}")
+    if in_cluster or deployment.num_routers == 1:
+        return
+    parser = argparse.ArgumentParser(add_help=False)
+    for flag in ("--grpc-port", "--http-port"):
+        parser.add_argument(flag, type=int, default=0)
+    ports, _ = parser.parse_known_args(list(deployment.router_args))
+    fixed = [f"--{name.replace('_', '-')}={port}" for name, port in vars(ports).items() if port]
+    if fixed:
+        raise ValueError(
+            f"{deployment.num_routers} routers on one machine cannot share {', '.join(fixed)}: leave the router ports"
+            " free (each router gets its own; `specdec status` lists them) or run one router"
+        )
 
 
 def health(address: str, tls_dir: str = "", timeout_s: float = 2.0) -> str:

@@ -1,15 +1,16 @@
-"""The supervisor's placement loop: place every service, keep it placed, scale it, keep the router told.
+"""The supervisor's placement loop: place every service, keep it placed, scale it, keep the routers told.
 
-:class:`Supervisor` places the verifiers and drafters, then the router over their addresses (as
-:func:`launcher.cluster.place` describes). Every ``reconcile_interval_s`` :meth:`Supervisor.reconcile`:
+:class:`Supervisor` places the verifiers and drafters, then ``num_routers`` routers over their addresses (as
+:mod:`launcher.cluster` describes); every router is given every worker. Every ``reconcile_interval_s``
+:meth:`Supervisor.reconcile`:
 
 1. finds workers whose actor died (its pod or node went away: Ray reports the actor dead) and places a
    replacement with the same command line, which comes back at a new address (on a cluster: a new pod's IP);
 2. when a group may grow (``max_verifiers`` / ``max_drafters`` above the deployment's counts), reads the
-   router's queue and the drafters' busy time and adds or retires workers (:mod:`launcher.autoscale`); a retired
-   worker leaves the router's set first, then drains;
-3. tells the router its worker set whenever it changed (:meth:`router.server.RunningRouter.set_workers`), and
-   re-places the router itself if it died;
+   routers' queues (summed over the routers whose metrics answer) and the drafters' busy time and adds or retires
+   workers (:mod:`launcher.autoscale`); a retired worker leaves every router's set first, then drains;
+3. re-places a router that died (over the current workers), and tells each router its worker set whenever it
+   changed (:meth:`router.server.RunningRouter.set_workers`);
 4. records the addresses in the state file.
 
 Only the Ray calls touch a cluster; the decisions are plain code over what they return.
@@ -34,6 +35,7 @@ from launcher.cluster import (
     VERIFIER_RESOURCE,
     ClusterState,
     Deployment,
+    check_router_ports,
     drafter_argv,
     router_argv,
     verifier_argv,
@@ -54,6 +56,7 @@ class Placed:
     pending: Any = None  # ObjectRef of addresses() until it serves
     address: dict[str, str] = field(default_factory=dict)
     group: Any = None  # a verifier's placement group
+    told: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # a router's worker set as last told to it
 
     @property
     def serving(self) -> bool:
@@ -74,6 +77,7 @@ class Supervisor:
     ) -> None:
         import ray
 
+        check_router_ports(deployment, in_cluster=in_cluster)
         self.ray = ray
         self.deployment = deployment
         self.state = state
@@ -82,8 +86,7 @@ class Supervisor:
         self.timeout_s = timeout_s
         self.remote = ray.remote(ServiceActor)
         self.workers: list[Placed] = []
-        self.router: Placed | None = None
-        self._told: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self.routers: list[Placed] = []
         d = deployment
         self.verifier_bounds = Bounds(d.num_verifiers, max(d.max_verifiers, d.num_verifiers))
         self.drafter_bounds = Bounds(d.num_drafters, max(d.max_drafters, d.num_drafters))
@@ -128,16 +131,17 @@ class Supervisor:
         return self._spawn("router", None, router_argv(self.deployment, workers), **options)
 
     def place(self) -> None:
-        """Place every worker, wait until all serve, then the router; raise if any fails to start in time."""
+        """Place every worker, wait until all serve, then the routers; raise if any fails to start in time."""
         self.workers = [self.spawn_verifier() for _ in range(self.deployment.num_verifiers)]
         for kind in self.deployment.drafter_kinds:
             self.workers += [self.spawn_drafter(kind) for _ in range(self.deployment.num_drafters)]
         addresses = self.ray.get([w.pending for w in self.workers], timeout=self.timeout_s)
         for placed, address in zip(self.workers, addresses, strict=True):
             placed.address, placed.pending = address, None
-        self.router = self.spawn_router()
-        self.router.address, self.router.pending = self.ray.get(self.router.pending, timeout=self.timeout_s), None
-        self._told = self._worker_set()
+        self.routers = [self.spawn_router() for _ in range(self.deployment.num_routers)]
+        addresses = self.ray.get([r.pending for r in self.routers], timeout=self.timeout_s)
+        for router, address in zip(self.routers, addresses, strict=True):
+            router.address, router.pending, router.told = address, None, self._worker_set()
         self._record()
 
     # --- keeping placed -------------------------------------------------------------------------------------
@@ -187,18 +191,26 @@ class Supervisor:
         now = time.monotonic() if now is None else now
         self.workers = [w if self._alive(w) else self._replace(w) for w in self.workers]
         self._autoscale(now)
-        assert self.router is not None
-        if not self._alive(self.router):
-            LOG.warning("the router died; placing a replacement")
-            self._retire(self.router, drain=False)
-            self.router, self._told = self.spawn_router(), None
-        if self.router.serving and self._told != (told := self._worker_set()):
-            try:
-                self.ray.get(self.router.actor.set_workers.remote(*map(list, told)), timeout=STOP_S)
-                self._told = told
-            except self.ray.exceptions.RayError as error:
-                LOG.warning("could not update the router's worker set: %s", error)
+        self.routers = [r if self._alive(r) else self._replace_router(r) for r in self.routers]
+        self._tell_routers()
         self._record()
+
+    def _replace_router(self, placed: Placed) -> Placed:
+        LOG.warning("router %s died; placing a replacement", placed.address.get("grpc", "(starting)"))
+        self._retire(placed, drain=False)
+        return self.spawn_router()  # over the current workers; told nothing yet
+
+    def _tell_routers(self) -> None:
+        """Give every serving router whose worker set is out of date the current one."""
+        told = self._worker_set()
+        for router in self.routers:
+            if not router.serving or router.told == told:
+                continue
+            try:
+                self.ray.get(router.actor.set_workers.remote(*map(list, told)), timeout=STOP_S)
+                router.told = told
+            except self.ray.exceptions.RayError as error:
+                LOG.warning("could not update router %s's worker set: %s", router.address["grpc"], error)
 
     # --- scaling --------------------------------------------------------------------------------------------
 
@@ -208,13 +220,17 @@ class Supervisor:
         )
 
     def _autoscale(self, now: float) -> None:
-        if not self._scales() or self.router is None or not self.router.serving:
+        if not self._scales():
             return
-        router = scrape(self.router.address.get("metrics", ""))
-        if router is None:
+        # a router that does not answer is left out: scaling down needs the lower count wanted for a while, and
+        # a dead router's requests come back on the others
+        scraped = [scrape(r.address.get("metrics", "")) for r in self.routers if r.serving]
+        routers = [samples for samples in scraped if samples is not None]
+        if not routers:
             return
         d = self.deployment
-        running, waiting = router.get("vllm:num_requests_running", 0.0), router.get("vllm:num_requests_waiting", 0.0)
+        running = sum(samples.get("vllm:num_requests_running", 0.0) for samples in routers)
+        waiting = sum(samples.get("vllm:num_requests_waiting", 0.0) for samples in routers)
 
         def targets(busy: float) -> tuple[int, int]:
             load = Load(running, waiting, busy)
@@ -237,10 +253,7 @@ class Supervisor:
         for placed in group[count:][::-1]:  # the newest first
             LOG.info("scaling %s down: retiring %s", placed.role, placed.address.get("grpc", "(starting)"))
             self.workers.remove(placed)
-            if self.router is not None and self.router.serving:  # out of the router's set before it drains
-                with contextlib.suppress(Exception):
-                    self._told = self._worker_set()
-                    self.ray.get(self.router.actor.set_workers.remote(*map(list, self._told)), timeout=STOP_S)
+            self._tell_routers()  # out of every router's set before it drains
             self._retire(placed, drain=True)
 
     def _busy(self, placed: Placed, now: float) -> float:
@@ -263,13 +276,12 @@ class Supervisor:
             for w in self.workers
             if w.serving
         ]
-        if self.router is not None and self.router.serving:
-            self.state.router = self.router.address
+        self.state.routers = [r.address for r in self.routers if r.serving]
         self.save()
 
     def stop(self) -> None:
-        """Router first (it drains its streams), then the workers, each gracefully, then killed."""
-        placed = ([self.router] if self.router is not None else []) + self.workers[::-1]
+        """Routers first (they drain their streams), then the workers, each gracefully, then killed."""
+        placed = self.routers + self.workers[::-1]
         for service in placed:
             self._retire(service, drain=True)
 

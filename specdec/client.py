@@ -10,6 +10,14 @@ Against a router serving TLS, pass ``tls=TlsFiles(ca="ca.pem", cert="client.pem"
 router's certificate must chain to ``ca`` and, when the router requires client certificates (mutual TLS, its
 default with TLS on), ``cert``/``key`` are the client's.
 
+Several routers serving the same workers (``specdec up --num-routers N``) are one ``address``: the clients set
+gRPC's ``round_robin`` load-balancing policy, so their calls spread over every address the target resolves to
+(the default, ``pick_first``, would send them all to the first). On one machine :func:`router_target` makes that
+target of the addresses ``specdec status`` lists; on Kubernetes it is ``dns:///`` and the headless Service
+(``dns:///specdec-router-headless.specdec.svc.cluster.local:50051``), whose DNS name resolves to every ready router
+pod. A single ``host:port`` works as before. An ``ipv4:`` target carries no host name, so with TLS set
+``TlsFiles.server_name`` to a name the routers' certificate holds.
+
 Every call carries a deadline (``timeout_s``, per client or per call). Failures raise a :class:`ClientError`
 subclass chosen by status code: :class:`InvalidArgument` (the message names the field), :class:`Overloaded`
 (with ``retry_after_s`` from the server's pushback), :class:`Unavailable`, :class:`DeadlineExceeded`,
@@ -18,6 +26,7 @@ subclass chosen by status code: :class:`InvalidArgument` (the message names the 
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +38,7 @@ import grpc.aio
 from specdec_wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+LB_POLICY_OPTION = "grpc.lb_policy_name"
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_TOKENS = 64
 _MODES = {
@@ -361,6 +371,39 @@ def _tls_options(tls: bool | grpc.ChannelCredentials | TlsFiles) -> list[tuple[s
     return tls.channel_options() if isinstance(tls, TlsFiles) else []
 
 
+def _channel_options(
+    tls: bool | grpc.ChannelCredentials | TlsFiles, options: Sequence[tuple[str, str | int]] = ()
+) -> list[tuple[str, str | int]]:
+    """``options`` and the TLS ones, with ``round_robin`` unless ``options`` choose a policy themselves."""
+    balancing = [] if any(name == LB_POLICY_OPTION for name, _ in options) else [(LB_POLICY_OPTION, "round_robin")]
+    return [*balancing, *options, *_tls_options(tls)]
+
+
+def router_target(addresses: Sequence[str]) -> str:
+    """One gRPC target over several routers' ``host:port`` addresses, host an IP literal (what ``specdec status``
+    lists); the clients spread their calls over it round-robin. One address is returned as it is.
+
+    >>> router_target(["127.0.0.1:50051", "127.0.0.1:50052"])
+    'ipv4:127.0.0.1:50051,127.0.0.1:50052'
+    >>> router_target(["[::1]:50051", "[::1]:50052"])
+    'ipv6:[::1]:50051,[::1]:50052'
+    """
+    if not addresses:
+        raise ValueError("router_target needs at least one address")
+    if len(addresses) == 1:
+        return addresses[0]
+    families = set()
+    for address in addresses:
+        host = address.rsplit(":", 1)[0].removeprefix("[").removesuffix("]")
+        try:
+            families.add(ipaddress.ip_address(host).version)
+        except ValueError:
+            raise ValueError(f"{address!r}: a multi-router target needs IP addresses; for names use dns:///") from None
+    if len(families) > 1:
+        raise ValueError(f"{list(addresses)}: IPv4 and IPv6 addresses do not mix in one target")
+    return f"ipv{families.pop()}:{','.join(addresses)}"
+
+
 def _metadata(bearer_token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {bearer_token}"),) if bearer_token else ()
 
@@ -384,10 +427,11 @@ class Client:
         bearer_token: str | None = None,
     ) -> None:
         credentials = _credentials(tls)
+        options = _channel_options(tls)
         self._channel = (
-            grpc.secure_channel(address, credentials, _tls_options(tls))
+            grpc.secure_channel(address, credentials, options)
             if credentials
-            else grpc.insecure_channel(address)
+            else grpc.insecure_channel(address, options)
         )
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self.timeout_s = timeout_s
@@ -462,7 +506,7 @@ class AsyncClient:
         channel_options: Sequence[tuple[str, str | int]] = (),
     ) -> None:
         credentials = _credentials(tls)
-        options = [*channel_options, *_tls_options(tls)]
+        options = _channel_options(tls, channel_options)
         self._channel = (
             grpc.aio.secure_channel(address, credentials, options)
             if credentials

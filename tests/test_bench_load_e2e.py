@@ -83,7 +83,9 @@ def test_load_over_both_apis(
     options = RequestOptions(max_tokens=MAX_TOKENS, ignore_eos=True, speculation=speculation, num_draft_tokens=3)
     spec = LoadSpec(qps=20.0, num_requests=REQUESTS, warmup_requests=1, seed=4)
     run = asyncio.run(
-        run_load(backend, prompts, options, spec, progress=False, metrics_url=f"http://{router.http_address}/metrics")
+        run_load(
+            backend, prompts, options, spec, progress=False, metrics_urls=[f"http://{router.http_address}/metrics"]
+        )
     )
     summary = summarize(run)
     assert (summary["completed"], summary["failed"], summary["warmup_requests"]) == (REQUESTS, 0, 1)
@@ -219,7 +221,7 @@ def test_cli_finds_the_router_of_specdec_up(
     state = {
         "supervisor_pid": 1,
         "status": "ready",
-        "router": {"grpc": router.grpc_address, "http": router.http_address},
+        "routers": [{"grpc": router.grpc_address, "http": router.http_address}],
     }
     monkeypatch.setenv("SPECDEC_STATE_FILE", str(tmp_path / "state.json"))
     (tmp_path / "state.json").write_text(json.dumps(state))
@@ -228,5 +230,60 @@ def test_cli_finds_the_router_of_specdec_up(
     assert main(argv) == 0
     document = json.loads((tmp_path / "up.json").read_text())
     assert document["completed"] == 4 and document["concurrency"] == 2 and document["metrics_error"] is None
-    assert document["config"]["router_http"] == f"http://{router.http_address}"
+    assert document["config"]["router_http"] == [f"http://{router.http_address}"]
     assert "| load | closed loop, 2 concurrent |" in capsys.readouterr().out
+
+
+def test_backends_spread_requests_over_several_routers_in_turn() -> None:
+    """Request ``i`` goes to router ``i mod N``: gRPC (two scripted routers) and HTTP (two servers that answer 503,
+    which the backend records as a failed request)."""
+    from aiohttp import web
+    from specdec_wire.v1 import router_pb2_grpc
+
+    from grpc_common.server import start_server
+    from tests.test_client import ScriptedRouter
+
+    scripted = [ScriptedRouter(), ScriptedRouter()]
+    servers = [
+        start_server(lambda s, r=r: router_pb2_grpc.add_RouterServicer_to_server(r, s), ["specdec.v1.Router"])
+        for r in scripted
+    ]
+    prompts = [Prompt(f"p{index}", "chat", f"prompt {index}") for index in range(6)]
+    hits: list[tuple[int, str]] = []
+
+    async def main() -> None:
+        backend = GrpcBackend([server.address for server in servers], timeout_s=10, channels=2)
+        async with backend:
+            for prompt in prompts:
+                assert (await backend.send(prompt, RequestOptions(max_tokens=3))).error is None
+        runners, urls = [], []
+        for index in range(2):
+
+            async def handle(request: web.Request, index: int = index) -> web.Response:
+                hits.append((index, (await request.json())["messages"][0]["content"]))
+                return web.Response(status=503, text="busy")
+
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", handle)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        try:
+            async with HttpBackend(urls, timeout_s=10) as http:
+                for prompt in prompts:
+                    assert (await http.send(prompt, RequestOptions(max_tokens=3))).error.kind == "unavailable"
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for server in servers:
+            server.stop(0)
+    sent = [[request.prompt for request in router.requests] for router in scripted]
+    assert sent == [["prompt 0", "prompt 2", "prompt 4"], ["prompt 1", "prompt 3", "prompt 5"]]
+    assert hits == [(index % 2, f"prompt {index}") for index in range(6)]

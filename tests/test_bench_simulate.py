@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -331,28 +332,40 @@ def test_drafter_assume_and_commit_keep_the_text() -> None:
 
 
 def test_simulated_stack_serves_concurrent_sdk_requests(tmp_path: Path) -> None:
-    """20 concurrent streamed requests through the real router, each to exactly ``max_tokens``; the measured mean
-    accepted length within 0.3 of ``1 + Σ Π a`` (the last rounds of each request draft short chains, which pulls
-    it down by about 0.1; the sampling error of ~440 rounds is about 0.07)."""
+    """20 concurrent streamed requests through two real routers sharing one verifier and one drafter (requests
+    alternate between the routers), each to exactly ``max_tokens``; the measured mean accepted length within 0.3 of
+    ``1 + Σ Π a`` (the last rounds of each request draft short chains, which pulls it down by about 0.1; the sampling
+    error of ~440 rounds is about 0.07). The workers refuse to open a sequence id that is open already, so all 20
+    succeeding, 10 on each router, means the two routers' ids never collided on a worker."""
     config = SimulationConfig(
         acceptance=ACCEPTANCE,
         draft_latency=LatencySpec("const", 1.0),
         verify_latency=LatencySpec("uniform", 2.0, 4.0),
         verify_per_seq_ms=0.05,
+        num_routers=2,
     )
 
-    async def drive(address: str) -> list:
-        async with AsyncClient(address, timeout_s=60) as client:
+    async def drive(addresses: tuple[str, ...]) -> list:
+        clients = [AsyncClient(address, timeout_s=60) for address in addresses]
+        try:
             return await asyncio.gather(
                 *(
-                    client.generate("Tell me a story.", max_tokens=64, seed=index, speculation="pipelined")
+                    clients[index % 2].generate("Tell me a story.", max_tokens=64, seed=index, speculation="pipelined")
                     for index in range(20)
                 )
             )
+        finally:
+            for client in clients:
+                await client.close()
 
     with simulated_stack(config, log_dir=tmp_path) as stack:
-        results = asyncio.run(drive(stack.grpc_address))
+        assert len(set(stack.grpc_addresses)) == 2
+        results = asyncio.run(drive(stack.grpc_addresses))
+        served = [
+            _counter(f"http://{address}/metrics", "vllm:request_success_total") for address in stack.http_addresses
+        ]
         services = list(stack.services.started)
+    assert served == [10, 10]
     assert all(service.process.returncode == 0 for service in services)
     assert [(len(r.token_ids), r.usage.completion_tokens, r.finish_reason) for r in results] == [
         (64, 64, "length")
@@ -363,3 +376,11 @@ def test_simulated_stack_serves_concurrent_sdk_requests(tmp_path: Path) -> None:
     assert mean_length == pytest.approx(config.expected_accepted_length, abs=0.3)
     assert sum(r.stats.pipeline_hits for r in results) > 0
     assert not any(r.stats.drafter_fallback for r in results)
+
+
+def _counter(url: str, name: str) -> float:
+    """The sum over labels of counter sample ``name`` at a ``/metrics`` ``url``."""
+    from bench.load.metrics import counter_total, parse_metrics
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return counter_total(parse_metrics(response.read().decode()), name) or 0.0

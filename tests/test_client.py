@@ -197,3 +197,37 @@ def test_tls_takes_credentials(address: str) -> None:
     credentials = grpc.ssl_channel_credentials()
     with Client(address, timeout_s=1, tls=credentials) as client, pytest.raises(ClientError):
         client.generate("hi")
+
+
+def test_several_routers_are_one_target_whose_calls_go_round_robin(address: str) -> None:
+    """``router_target`` over two routers' addresses: one client's calls reach both, in turn (gRPC's round_robin,
+    which the clients set; pick_first would send all of them to the first). Both clients, sync and asyncio."""
+    second = ScriptedRouter()
+    other = start_server(lambda s: router_pb2_grpc.add_RouterServicer_to_server(second, s), ["specdec.v1.Router"])
+    try:
+        target = sdk.router_target([address, other.address])
+        assert target == f"ipv4:{address},{other.address}"
+        with Client(target, timeout_s=5) as client:
+            client.generate("warm")  # both subchannels connect while this one is served
+            time.sleep(0.2)
+            before = len(second.requests)
+            for index in range(20):
+                client.generate(prompt_ids=[index + 1])
+        assert len(second.requests) - before == 10  # exactly every other call once both are connected
+
+        async def main() -> None:
+            async with AsyncClient(target, timeout_s=5) as client:
+                await client.generate("warm")
+                await asyncio.sleep(0.2)
+                await asyncio.gather(*(client.generate(prompt_ids=[i + 1]) for i in range(20)))
+
+        before = len(second.requests)
+        asyncio.run(main())
+        assert len(second.requests) - before in range(9, 12)  # the warm call went to one of the two
+    finally:
+        other.stop(0)
+    assert sdk.router_target([address]) == address
+    with pytest.raises(ValueError, match="dns:///"):
+        sdk.router_target(["router-0:50051", "router-1:50051"])
+    with pytest.raises(ValueError, match="do not mix"):
+        sdk.router_target(["127.0.0.1:1", "[::1]:2"])

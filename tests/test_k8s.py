@@ -95,6 +95,11 @@ def of_kind(docs: tuple[dict, ...], kind: str) -> list[dict]:
     return [doc for doc in docs if doc["kind"] == kind]
 
 
+def service(docs: tuple[dict, ...], name: str = "specdec-router") -> dict:
+    [found] = [doc for doc in of_kind(docs, "Service") if doc["metadata"]["name"] == name]
+    return found
+
+
 def raycluster(overlay: str) -> dict:
     [cluster] = of_kind(render(overlay), "RayCluster")
     return cluster
@@ -203,11 +208,10 @@ def _kubernetes_validate(doc: str, kubernetes_version: str) -> str | None:
 
 
 def test_kubernetes_validate_strict_refuses_an_unknown_field() -> None:
-    [service] = of_kind(render("base"), "Service")
-    service = copy.deepcopy(service)
-    service["spec"]["selectors"] = {}
+    router_service = copy.deepcopy(service(render("base")))
+    router_service["spec"]["selectors"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(service, "1.37", strict=True)
+        kubernetes_validate.validate(router_service, "1.37", strict=True)
 
 
 # --- rules no schema states ----------------------------------------------------------------------------------
@@ -237,10 +241,12 @@ def _pod_labels(overlay: str) -> dict[str, dict]:
 def test_service_pdb_and_monitor_selectors_match_pod_labels(overlay: str) -> None:
     docs = render(overlay)
     pods = _pod_labels(overlay)
-    [router_service] = of_kind(docs, "Service")
-    assert [
-        name for name, labels in pods.items() if _matches({"matchLabels": router_service["spec"]["selector"]}, labels)
-    ] == ["router"]
+    router_service, headless = service(docs), service(docs, "specdec-router-headless")
+    assert len(of_kind(docs, "Service")) == 2
+    for front in (router_service, headless):  # both select every router pod, and nothing else
+        assert [
+            name for name, labels in pods.items() if _matches({"matchLabels": front["spec"]["selector"]}, labels)
+        ] == ["router"]
     pdbs = {
         pdb["metadata"]["name"]: [n for n, labels in pods.items() if _matches(pdb["spec"]["selector"], labels)]
         for pdb in of_kind(docs, "PodDisruptionBudget")
@@ -248,6 +254,7 @@ def test_service_pdb_and_monitor_selectors_match_pod_labels(overlay: str) -> Non
     assert sorted(pdbs.values()) == [[name] for name in sorted(pods)]  # one PDB per group, each on its group only
     [service_monitor] = of_kind(docs, "ServiceMonitor")
     assert _matches(service_monitor["spec"]["selector"], router_service["metadata"]["labels"])
+    assert not _matches(service_monitor["spec"]["selector"], headless["metadata"]["labels"])  # each router once
     service_ports = {port["name"] for port in router_service["spec"]["ports"]}
     assert {endpoint["port"] for endpoint in service_monitor["spec"]["endpoints"]} <= service_ports
     cluster = raycluster(overlay)
@@ -311,9 +318,30 @@ def test_probes_ports_and_health_names_are_what_the_servers_serve(overlay: str, 
         startup = LIVENESS_SERVICE if name == "router" else readiness[name]
         assert _probe(container["startupProbe"]) == (grpc_port, startup), name
         assert group["resources"] == {GROUP_RESOURCE[name]: "1"}, name  # what the launcher asks for: one per pod
-    [service] = of_kind(render(overlay), "Service")
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == served["router"]
-    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"grpc": "grpc", "http": "http"}
+    router_service = service(render(overlay))
+    assert {p["name"]: p["port"] for p in router_service["spec"]["ports"]} == served["router"]
+    assert {p["name"]: p["targetPort"] for p in router_service["spec"]["ports"]} == {"grpc": "grpc", "http": "http"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_headless_service_gives_clients_every_router_and_the_sdk_names_it(overlay: str, tmp_path: Path) -> None:
+    """Per-call balancing over router replicas: a headless Service on the routers' gRPC port (the one they serve),
+    whose DNS name is the ``dns:///`` target the SDK documents; under TLS the certificate carries that name."""
+    from specdec import client
+
+    docs = render(overlay)
+    headless = service(docs, "specdec-router-headless")
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert headless["spec"]["selector"] == service(docs)["spec"]["selector"]
+    [port] = headless["spec"]["ports"]
+    assert (port["name"], port["targetPort"]) == ("grpc", "grpc")
+    assert port["port"] == _ports(overlay, deployment(overlay, tmp_path))["router"]["grpc"]
+    namespace = headless["metadata"]["namespace"]
+    name = f"specdec-router-headless.{namespace}.svc.cluster.local"
+    assert f"dns:///{name}:{port['port']}" in (client.__doc__ or "")
+    for certificate in of_kind(docs, "Certificate"):
+        if certificate["spec"].get("dnsNames"):
+            assert name in certificate["spec"]["dnsNames"]
 
 
 def _budget(probe: dict) -> int:
@@ -359,7 +387,7 @@ def test_termination_grace_covers_the_services_drain(overlay: str, tmp_path: Pat
             # the supervisor stops every actor in turn (as many as it may have scaled to), each within its grace
             kinds = len(dep.drafter_kinds)
             actors = [
-                ("router", 1),
+                ("router", dep.num_routers),
                 ("drafter", max(dep.num_drafters, dep.max_drafters) * kinds),
                 ("verifier", max(dep.num_verifiers, dep.max_verifiers)),
             ]
@@ -415,11 +443,11 @@ def test_gpu_groups_match_the_deployment_and_tensor_parallel_pods_have_shm(overl
     # every pod KubeRay starts gets an actor (no idle pod failing its startup probe), and every actor the
     # supervisor may add gets a pod: initial and minimum pods <= the deployment's floor, maximum >= its ceiling
     kinds = len(dep.drafter_kinds)
-    floor = {"verifier": dep.num_verifiers, "drafter": dep.num_drafters * kinds, "router": 1}
+    floor = {"verifier": dep.num_verifiers, "drafter": dep.num_drafters * kinds, "router": dep.num_routers}
     ceiling = {
         "verifier": max(dep.max_verifiers, dep.num_verifiers),
         "drafter": max(dep.max_drafters, dep.num_drafters) * kinds,
-        "router": 1,
+        "router": dep.num_routers,  # routers are not autoscaled: one pod for each, always
     }
     for name in floor:
         group = by_group[name]
@@ -499,8 +527,7 @@ def test_network_policy_opens_only_the_router_public_ports_to_the_outside(overla
     docs = render(overlay)
     policies = of_kind(docs, "NetworkPolicy")
     pods = _pod_labels(overlay)
-    [service] = of_kind(docs, "Service")
-    public = {port["targetPort"] for port in service["spec"]["ports"]}
+    public = {port["targetPort"] for port in service(docs)["spec"]["ports"]}
     assert any(p["spec"]["podSelector"] == {} and "ingress" not in p["spec"] for p in policies)  # default deny
     for policy in policies:
         for rule in policy["spec"].get("ingress", []):
@@ -557,8 +584,8 @@ def test_tls_overlays_mount_certificates_into_every_service(tmp_path: Path) -> N
         }
         assert router_env["SPECDEC_ROUTER_BEARER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "specdec-bearer-token"
         assert router_env["SPECDEC_ROUTER_TLS_SERVER_NAME"]["value"] in names  # workers are dialled by pod IP
-    [service] = of_kind(render("overlays/loadbalancer"), "Service")
-    assert service["spec"]["type"] == "LoadBalancer"
+    assert service(render("overlays/loadbalancer"))["spec"]["type"] == "LoadBalancer"
+    assert service(render("overlays/loadbalancer"), "specdec-router-headless")["spec"]["clusterIP"] == "None"
 
 
 # --- the deploy config the manifests carry, run locally -------------------------------------------------------
@@ -596,13 +623,14 @@ def test_cpu_smoke_config_map_brings_up_the_same_topology_locally(tmp_path: Path
     served = _ports("overlays/cpu-smoke", dep)
     status = report["status"]
     # the ports the manifests' probes, Services and monitors name are the ones the services bound
-    assert status["router"]["grpc"].endswith(f":{served['router']['grpc']}")
-    assert status["router"]["http"].endswith(f":{served['router']['http']}")
+    [router] = status["routers"]
+    assert router["grpc"].endswith(f":{served['router']['grpc']}")
+    assert router["http"].endswith(f":{served['router']['http']}")
     roles = sorted((w["role"], w["address"].rsplit(":", 1)[1], w["health"]) for w in status["workers"])
     expected = [("drafter", str(served["drafter"]["grpc"]), "SERVING")] * (dep.num_drafters * len(dep.drafter_kinds))
     expected += [("verifier", str(served["verifier"]["grpc"]), "SERVING")] * dep.num_verifiers
     assert roles == sorted(expected)
-    assert status["router"]["health"] == "SERVING"
+    assert router["health"] == "SERVING"
     outputs = list(report["sdk"].values())
     assert all(output == outputs[0] for output in outputs), "greedy output differs between speculation modes"
     assert report["state_removed"]

@@ -68,6 +68,9 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         f"{k}/{m}" for k in ("ngram", "early-exit", "model") for m in ("sequential", "pipelined")
     }
     assert report["http_text"] == target.tokenizer.decode(expected[0], skip_special_tokens=True)
-    assert report["status"]["router"]["health"] == "SERVING"
+    routers = report["status"]["routers"]  # two, sharing the workers; the SDK's calls went to both in turn
+    assert [r["health"] for r in routers] == ["SERVING"] * 2 and len({r["grpc"] for r in routers}) == 2
+    assert report["status"]["router_target"] == "ipv4:" + ",".join(r["grpc"] for r in routers)
+    assert sum(report["served"]) == 2 * len(report["sdk"]) + 1 and all(report["served"])
     assert [w["health"] for w in report["status"]["workers"]] == ["SERVING"] * 4
     assert report["state_removed"]

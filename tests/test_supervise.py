@@ -103,7 +103,7 @@ def _supervisor(monkeypatch: pytest.MonkeyPatch, deployment: Deployment, metrics
 def test_a_dead_worker_is_replaced_and_the_router_told_its_new_address(monkeypatch: pytest.MonkeyPatch) -> None:
     deployment = Deployment(drafter_kinds=("ngram",), num_drafters=2, num_verifiers=1)
     sup, fake = _supervisor(monkeypatch, deployment, {})
-    router = sup.router.actor
+    router = sup.routers[0].actor
     assert [a.role for a in fake.actors] == ["verifier", "drafter", "drafter", "router"]
     assert fake.actors[0].options == {"num_cpus": 0, "resources": {VERIFIER_RESOURCE: 1}}
     assert fake.actors[1].options == {"num_cpus": 0, "resources": {DRAFTER_RESOURCE: 1}}
@@ -126,18 +126,79 @@ def test_a_dead_worker_is_replaced_and_the_router_told_its_new_address(monkeypat
     )
 
 
+def _worker_flags(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, x in enumerate(argv) if x in ("--verifier", "--drafter")]
+
+
 def test_a_dead_router_is_replaced_over_the_current_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     sup, fake = _supervisor(monkeypatch, Deployment(), {})
-    old = sup.router.actor
+    old = sup.routers[0].actor
     old.dead = True
     sup.reconcile(now=0)
-    assert sup.router.actor is not old and sup.router.actor.role == "router" and old in fake.killed
+    [router] = sup.routers
+    assert router.actor is not old and router.actor.role == "router" and old in fake.killed
     sup.reconcile(now=10)  # it serves: its address is the one recorded (on KubeRay the Service follows the pod)
-    assert sup.state.router == sup.router.actor.address
+    assert sup.state.routers == [router.actor.address]
     workers = [a.address["grpc"] for a in fake.actors if a.role != "router"]
-    assert [
-        sup.router.actor.argv[i + 1] for i, x in enumerate(sup.router.actor.argv) if x in ("--verifier", "--drafter")
-    ] == workers
+    assert _worker_flags(router.actor.argv) == workers
+
+
+def test_several_routers_share_every_worker_and_each_is_kept_placed_and_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    deployment = Deployment(drafter_kinds=("ngram",), num_drafters=2, num_routers=3)
+    sup, fake = _supervisor(monkeypatch, deployment, {})
+    routers = [a for a in fake.actors if a.role == "router"]
+    workers = [a.address["grpc"] for a in fake.actors if a.role != "router"]
+    assert len(routers) == 3 and len({r.address["grpc"] for r in routers}) == 3
+    for router in routers:  # each on a router pod of its own, each over all the workers
+        assert router.options == {"num_cpus": 0, "resources": {ROUTER_RESOURCE: 1}}
+        assert _worker_flags(router.argv) == workers
+    assert sup.state.routers == [r.address for r in routers]  # `specdec status` lists every one
+    fake.actors[1].dead = True  # a drafter: every router hears of it
+    sup.reconcile(now=0)
+    assert all(len(r.told) == 1 and r.told[0][1] == [fake.actors[2].address["grpc"]] for r in routers)
+    routers[1].dead = True  # one router: replaced alone, the others keep serving untouched
+    sup.reconcile(now=10)
+    replacement = sup.routers[1].actor
+    assert replacement not in routers and routers[1] in fake.killed
+    assert [r.actor for r in sup.routers] == [routers[0], replacement, routers[2]]
+    assert routers[0] not in fake.killed and routers[2] not in fake.killed
+    current = sorted(w.address["grpc"] for w in sup.workers if w.serving)
+    assert sorted(_worker_flags(replacement.argv)) == current
+    sup.reconcile(now=20)
+    assert sup.state.routers == [r.actor.address for r in sup.routers]
+    sup.stop()
+    assert all(r.stopped for r in (routers[0], replacement, routers[2]))
+
+
+def test_several_routers_on_one_machine_need_free_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    fixed = Deployment(num_routers=2, router_args=("--grpc-port=50051", "--http-port", "8000"))
+    monkeypatch.setitem(__import__("sys").modules, "ray", FakeRay())
+    with pytest.raises(ValueError, match="--grpc-port=50051, --http-port=8000"):
+        supervise.Supervisor(fixed, ClusterState(1), in_cluster=False)
+    with pytest.raises(ValueError, match="num_routers"):
+        supervise.Supervisor(Deployment(num_routers=0), ClusterState(1), in_cluster=True)
+    supervise.Supervisor(fixed, ClusterState(1), in_cluster=True)  # one pod, one node address each
+    supervise.Supervisor(replace(fixed, router_args=("--shutdown-grace-s=5",)), ClusterState(1), in_cluster=False)
+
+
+def test_up_and_status_carry_every_router(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
+    import argparse
+
+    from launcher import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    assert cli.deployment_from(parser.parse_args(["up", "--num-routers", "2"])).num_routers == 2
+    routers = [{"grpc": f"127.0.0.1:{port}", "http": f"127.0.0.1:{port + 1}"} for port in (5000, 6000)]
+    ClusterState(1, status="ready", routers=routers).save(tmp_path / "cluster.json")
+    monkeypatch.setattr(cli, "health", lambda address, tls_dir="": f"SERVING({address})")
+    report = cli.status(tmp_path / "cluster.json")
+    assert [r["health"] for r in report["routers"]] == ["SERVING(127.0.0.1:5000)", "SERVING(127.0.0.1:6000)"]
+    assert report["router_target"] == "ipv4:127.0.0.1:5000,127.0.0.1:6000"
+    monkeypatch.setattr(cli, "state_file", lambda: tmp_path / "cluster.json")
+    cli._run_status(argparse.Namespace(json=False))
+    out = capsys.readouterr().out
+    assert out.count("router ") == 2 and "ipv4:127.0.0.1:5000,127.0.0.1:6000" in out
 
 
 def test_queue_length_adds_verifiers_at_once_and_retires_them_only_after_the_delay(
@@ -150,7 +211,7 @@ def test_queue_length_adds_verifiers_at_once_and_retires_them_only_after_the_del
     verifiers = [w for w in sup.workers if w.role == "verifier"]
     assert len(verifiers) == 3  # ceil(25 / 10), within the maximum; on KubeRay: pending actors, new pods
     sup.reconcile(now=1)  # once they serve, the router routes to them
-    assert len(sup.router.actor.told[-1][0]) == 3
+    assert len(sup.routers[0].actor.told[-1][0]) == 3
     metrics["http://router/metrics"] = {"vllm:num_requests_running": 1.0, "vllm:num_requests_waiting": 0.0}
     sup.reconcile(now=10)
     assert len([w for w in sup.workers if w.role == "verifier"]) == 3  # not yet: a lull is not a trend
@@ -159,7 +220,36 @@ def test_queue_length_adds_verifiers_at_once_and_retires_them_only_after_the_del
     assert len(remaining) == 1  # back to the floor, the newest retired first, drained, then killed
     retired = [v.actor for v in verifiers[1:]]
     assert all(a.stopped and a in fake.killed for a in retired)
-    assert sup.router.actor.told[-1][0] == [remaining[0].address["grpc"]]
+    assert sup.routers[0].actor.told[-1][0] == [remaining[0].address["grpc"]]
+
+
+def test_the_queue_is_summed_over_the_routers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two routers with 12 requests each want ceil(24 / 10) = 3 verifiers; each alone would want 2. A router whose
+    metrics do not answer is left out (here: back to 12 requests, 2 verifiers, kept by the scale-down delay)."""
+    deployment = replace(Deployment(), num_routers=2, max_verifiers=4, requests_per_verifier=10, scale_down_delay_s=60)
+    metrics: dict[str, dict] = {}
+    fake = FakeRay()
+    monkeypatch.setitem(__import__("sys").modules, "ray", fake)
+    monkeypatch.setattr(supervise, "scrape", lambda url, timeout_s=2.0: metrics.get(url))
+    original = FakeActor.__init__
+
+    def distinct_metrics(self: FakeActor, role: str, argv: list[str], options: dict) -> None:
+        original(self, role, argv, options)
+        if role == "router":
+            self.address["metrics"] = f"http://{self.address['grpc']}/metrics"
+
+    monkeypatch.setattr(FakeActor, "__init__", distinct_metrics)
+    sup = supervise.Supervisor(deployment, ClusterState(1), in_cluster=True)
+    sup.place()
+    urls = [r.address["metrics"] for r in sup.routers]
+    for url in urls:
+        metrics[url] = {"vllm:num_requests_running": 8.0, "vllm:num_requests_waiting": 4.0}
+    sup.reconcile(now=0)
+    assert len([w for w in sup.workers if w.role == "verifier"]) == 3
+    del metrics[urls[1]]
+    sup.reconcile(now=100)
+    assert len([w for w in sup.workers if w.role == "verifier"]) == 3  # wanted 2 only since t=100
+    assert all(len(r.actor.told[-1][0]) == 3 for r in sup.routers)
 
 
 def test_scaling_rule() -> None:

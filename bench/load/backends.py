@@ -1,6 +1,8 @@
 """The two ways to reach the router: its gRPC API through the SDK, and its OpenAI-compatible HTTP API (SSE).
 
-Both stream, time every token-carrying chunk on the client's clock, and turn every failure (refused connection,
+Both take one router or several (``specdec up --num-routers N``): request ``i`` goes to router ``i mod N``, so a
+load spreads evenly and each router's share is known. Both stream, time every token-carrying chunk on the client's
+clock, and turn every failure (refused connection,
 timeout, 429, a 5xx, an error in the middle of a stream) into a record with ``error`` set instead of raising: a
 load test must count failed requests, not lose them. Use a backend as an async context manager inside the event
 loop that sends (the gRPC channel and the HTTP session belong to that loop).
@@ -11,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +30,13 @@ _OPENAI_KINDS = {
     "rate_limit_error": "resource_exhausted",
     "service_unavailable": "unavailable",
 }
+
+
+def _routers(addresses: str | Sequence[str]) -> list[str]:
+    routers = [addresses] if isinstance(addresses, str) else list(addresses)
+    if not routers:
+        raise ValueError("a backend needs at least one router address")
+    return routers
 
 
 class Backend(Protocol):
@@ -69,8 +79,9 @@ class _Timer:
 
 
 class GrpcBackend:
-    """``specdec.v1.Router/Generate`` through :class:`specdec.client.AsyncClient`s, requests spread round-robin
-    over ``channels`` channels (distinct channel arguments, so each gets its own HTTP/2 connection).
+    """``specdec.v1.Router/Generate`` through :class:`specdec.client.AsyncClient`s: ``channels`` channels per router
+    (distinct channel arguments, so each gets its own HTTP/2 connection), requests round-robin over the routers and,
+    per router, over its channels.
 
     One connection carrying a thousand concurrent streams is a client-side bottleneck of its own: past the
     connection's stream limit gRPC refuses new streams (CANCELLED within a millisecond), which is not the server's
@@ -80,9 +91,13 @@ class GrpcBackend:
     name = "grpc"
 
     def __init__(
-        self, address: str, timeout_s: float = 600.0, bearer_token: str | None = None, channels: int = 8
+        self,
+        address: str | Sequence[str],
+        timeout_s: float = 600.0,
+        bearer_token: str | None = None,
+        channels: int = 8,
     ) -> None:
-        self.address = address
+        self.addresses = _routers(address)
         self.timeout_s = timeout_s
         self.bearer_token = bearer_token
         self.channels = channels
@@ -90,14 +105,15 @@ class GrpcBackend:
         self._next = itertools.count()
 
     async def __aenter__(self) -> GrpcBackend:
-        self._clients = [
+        self._clients = [  # router-major within each channel index: consecutive requests alternate routers
             AsyncClient(
-                self.address,
+                address,
                 timeout_s=self.timeout_s,
                 bearer_token=self.bearer_token,
                 channel_options=[("specdec.bench_channel", index)],
             )
             for index in range(self.channels)
+            for address in self.addresses
         ]
         return self
 
@@ -133,12 +149,16 @@ class GrpcBackend:
 
 
 class HttpBackend:
-    """``POST /v1/chat/completions`` (``options.chat``) or ``/v1/completions`` with ``"stream": true`` and usage."""
+    """``POST /v1/chat/completions`` (``options.chat``) or ``/v1/completions`` with ``"stream": true`` and usage,
+    requests round-robin over the routers' base URLs."""
 
     name = "http"
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, bearer_token: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+    def __init__(
+        self, base_url: str | Sequence[str], timeout_s: float = 600.0, bearer_token: str | None = None
+    ) -> None:
+        self.base_urls = [url.rstrip("/") for url in _routers(base_url)]
+        self._next = itertools.count()
         self.timeout_s = timeout_s
         self.bearer_token = bearer_token
         self._session: aiohttp.ClientSession | None = None
@@ -170,9 +190,10 @@ class HttpBackend:
     async def send(self, prompt: Prompt, options: RequestOptions) -> RequestRecord:
         assert self._session is not None, "use the backend as an async context manager"
         path = "/v1/chat/completions" if options.chat else "/v1/completions"
+        base_url = self.base_urls[next(self._next) % len(self.base_urls)]
         timer = _Timer(time.perf_counter())
         try:
-            async with self._session.post(self.base_url + path, json=self.body(prompt, options)) as response:
+            async with self._session.post(base_url + path, json=self.body(prompt, options)) as response:
                 if response.status != 200:
                     text = await response.text()
                     kind = _HTTP_KINDS.get(response.status, f"http_{response.status}")
@@ -220,8 +241,8 @@ class HttpBackend:
         )
 
 
-def make_backend(kind: str, address: str, timeout_s: float, bearer_token: str | None = None) -> Backend:
-    """``grpc`` (``address`` = HOST:PORT) or ``http`` (``address`` = base URL)."""
+def make_backend(kind: str, address: str | Sequence[str], timeout_s: float, bearer_token: str | None = None) -> Backend:
+    """``grpc`` (``address`` = HOST:PORT, or several) or ``http`` (``address`` = base URL, or several)."""
     if kind == "grpc":
         return GrpcBackend(address, timeout_s, bearer_token)
     if kind == "http":

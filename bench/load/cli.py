@@ -3,8 +3,10 @@
     specdec bench --qps 0.5,1,2,4 --sweep-speculation off,pipelined --num-requests 100 \\
         --slo-ttft-ms 2000 --slo-itl-ms 200 --result-dir bench/results --name sweep
 
-Without ``--router`` / ``--base-url`` it finds the router of ``specdec up`` (its state file); with ``--simulate``
-it starts a router over simulated workers (:mod:`bench.load.simulate`) for the run and stops it afterwards.
+Without ``--router`` / ``--base-url`` it finds the routers of ``specdec up`` (its state file); with ``--simulate``
+it starts routers (``--sim-routers``) over simulated workers (:mod:`bench.load.simulate`) for the run and stops them
+afterwards. Several routers (repeated ``--router`` / ``--base-url``, or all those of the deployment) take the
+requests in turn, and their ``/metrics`` are summed.
 Only argparse is imported here: gRPC, aiohttp and matplotlib load inside :func:`run`. The command plugs into
 ``specdec`` through the ``specdec.commands`` entry point :func:`register`.
 """
@@ -44,11 +46,20 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
     from bench.load.workload import MODES
 
     parser = subparsers.add_parser("bench", help="load-test the router (open or closed loop, sweeps, reports)")
-    target = parser.add_argument_group("router (default: the one `specdec up` started)")
+    target = parser.add_argument_group("routers (default: those `specdec up` started)")
     target.add_argument("--backend", choices=("grpc", "http"), default="grpc", help="API to load (default grpc)")
-    target.add_argument("--router", metavar="HOST:PORT", help="router gRPC address (--backend grpc)")
-    target.add_argument("--base-url", metavar="http://HOST:PORT", help="router HTTP address (--backend http, metrics)")
-    target.add_argument("--metrics-url", help="Prometheus endpoint to scrape (default BASE_URL/metrics)")
+    target.add_argument(
+        "--router", action="append", metavar="HOST:PORT", help="router gRPC address (--backend grpc; repeat)"
+    )
+    target.add_argument(
+        "--base-url",
+        action="append",
+        metavar="http://HOST:PORT",
+        help="router HTTP address (--backend http, metrics; repeat)",
+    )
+    target.add_argument(
+        "--metrics-url", action="append", help="Prometheus endpoint to scrape (repeat; default BASE_URL/metrics)"
+    )
     target.add_argument("--timeout", type=float, default=600.0, help="deadline per request, s (default 600)")
     target.add_argument("--simulate", action="store_true", help="start a router over simulated workers for the run")
 
@@ -103,31 +114,32 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("give --speculation or --sweep-speculation, not both")
 
 
-def _addresses(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """(gRPC address, HTTP base URL): the flags, else the router of ``specdec up``."""
+def _addresses(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(gRPC addresses, HTTP base URLs): the flags, else the routers of ``specdec up``."""
     if args.router or args.base_url:
-        return args.router, args.base_url
+        return args.router or [], args.base_url or []
     from launcher.cluster import ClusterState, state_file
 
-    router = ClusterState.load(state_file()).router
-    return router.get("grpc"), f"http://{router['http']}" if router.get("http") else None
+    routers = ClusterState.load(state_file()).routers
+    return [r["grpc"] for r in routers if r.get("grpc")], [f"http://{r['http']}" for r in routers if r.get("http")]
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench; 0 when it ran (failed requests are results), 1 when no request completed."""
     _check(args)
     if not args.simulate:
-        grpc_address, base_url = _addresses(args)
-        return _bench(args, grpc_address, base_url, model=None)
+        grpc_addresses, base_urls = _addresses(args)
+        return _bench(args, grpc_addresses, base_urls, model=None)
     from bench.load.simulate import simulated_stack, simulation_config_from_args
 
     config = simulation_config_from_args(args)
     log_dir = Path(tempfile.gettempdir()) / "specdec-bench-sim"
     with simulated_stack(config, log_dir=log_dir) as stack:
-        return _bench(args, stack.grpc_address, f"http://{stack.http_address}", model=stack.model)
+        base_urls = [f"http://{address}" for address in stack.http_addresses]
+        return _bench(args, list(stack.grpc_addresses), base_urls, model=stack.model)
 
 
-def _bench(args: argparse.Namespace, grpc_address: str | None, base_url: str | None, model: str | None) -> int:
+def _bench(args: argparse.Namespace, grpc_addresses: list[str], base_urls: list[str], model: str | None) -> int:
     import asyncio
 
     from bench.load.backends import make_backend
@@ -137,11 +149,11 @@ def _bench(args: argparse.Namespace, grpc_address: str | None, base_url: str | N
     from bench.load.sweep import Point, run_sweep
     from bench.load.workload import RequestOptions, load_prompts
 
-    address = grpc_address if args.backend == "grpc" else base_url
-    if not address:
+    addresses = grpc_addresses if args.backend == "grpc" else base_urls
+    if not addresses:
         flag = "--router" if args.backend == "grpc" else "--base-url"
         raise ValueError(f"--backend {args.backend} needs {flag} (or a `specdec up` deployment)")
-    metrics_url = args.metrics_url or (f"{base_url.rstrip('/')}/metrics" if base_url else None)
+    metrics_urls = args.metrics_url or [f"{url.rstrip('/')}/metrics" for url in base_urls]
     prompts = load_prompts(args.prompts, args.categories)
     options = RequestOptions(
         max_tokens=args.max_tokens,
@@ -177,7 +189,7 @@ def _bench(args: argparse.Namespace, grpc_address: str | None, base_url: str | N
     config: dict[str, Any] = {
         key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items() if key != "command"
     }
-    config.update(model=model, router_grpc=grpc_address, router_http=base_url, metrics_url=metrics_url)
+    config.update(model=model, router_grpc=grpc_addresses, router_http=base_urls, metrics_url=metrics_urls)
     config["qps"] = None if args.qps is None else [str(q) if math.isinf(q) else q for q in args.qps]  # JSON has no inf
     config.update({key: str(value) for key, value in config.items() if key.startswith("sim_")})
     meta = run_metadata(name, sys.argv, config)
@@ -189,7 +201,7 @@ def _bench(args: argparse.Namespace, grpc_address: str | None, base_url: str | N
 
     points, stopped = asyncio.run(
         run_sweep(
-            lambda: make_backend(args.backend, address, args.timeout, token),
+            lambda: make_backend(args.backend, addresses, args.timeout, token),
             prompts,
             options,
             spec,
@@ -197,7 +209,7 @@ def _bench(args: argparse.Namespace, grpc_address: str | None, base_url: str | N
             modes=modes,
             slo=slo,
             progress=not args.no_progress,
-            metrics_url=metrics_url,
+            metrics_urls=metrics_urls,
             report=keep_point if sweep else None,
         )
     )

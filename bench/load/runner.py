@@ -6,7 +6,7 @@ closed loop at concurrency N measures the server at exactly N in flight, for com
 concurrency. ``max_concurrency`` caps an open loop the way ``vllm bench serve --max-concurrency`` does (requests
 then wait client-side; ``scheduled_s`` vs ``start_s`` shows how long). The measured window starts when the first
 timed request is due and ends when the last one finished; the router's ``/metrics`` is scraped around exactly
-that window.
+that window (each router's, when several serve the load: their samples are summed as one router's would be).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ async def run_load(
     spec: LoadSpec,
     *,
     progress: bool = True,
-    metrics_url: str | None = None,
+    metrics_urls: Sequence[str] = (),
     label: str = "",
 ) -> LoadRun:
     """Warm up, scrape, run the measured window, scrape again; request i uses prompt cycle[i], seed + i."""
@@ -89,7 +89,7 @@ async def run_load(
     cycle = PromptCycle(prompts, spec.seed)
     async with backend:
         warmup = await _warm_up(backend, cycle, options, spec)
-        before, error = await _scrape(metrics_url)
+        before, error = await _scrape(metrics_urls)
         with tqdm(total=spec.num_requests, desc=label or "requests", unit="req", disable=not progress) as bar:
             origin = time.perf_counter()
             if spec.concurrency is not None:
@@ -97,19 +97,27 @@ async def run_load(
             else:
                 records = await _open_loop(backend, cycle, options, spec, origin, bar.update)
             duration = time.perf_counter() - origin
-        after, error_after = await _scrape(metrics_url)
+        after, error_after = await _scrape(metrics_urls)
     delta = metrics_delta(before, after) if before is not None and after is not None else None
     records.sort(key=lambda record: record.index)
     return LoadRun(spec, options, backend.name, warmup + records, duration, delta, error or error_after, label)
 
 
-async def _scrape(url: str | None) -> tuple[list[Sample] | None, str | None]:
-    if url is None:
+async def _scrape(urls: Sequence[str]) -> tuple[list[Sample] | None, str | None]:
+    """Every router's samples, each series labelled with its router's URL when there are several (so that the
+    delta subtracts per router and the sums over labels add the routers up)."""
+    if not urls:
         return None, None
-    try:
-        return await scrape(url), None
-    except Exception as error:  # the load numbers stand without the server's metrics
-        return None, f"{url}: {type(error).__name__}: {error}"
+    samples: list[Sample] = []
+    for url in urls:
+        try:
+            scraped = await scrape(url)
+        except Exception as error:  # the load numbers stand without the server's metrics
+            return None, f"{url}: {type(error).__name__}: {error}"
+        if len(urls) > 1:
+            scraped = [Sample(s.name, (*s.labels, ("router", url)), s.value, s.kind) for s in scraped]
+        samples += scraped
+    return samples, None
 
 
 async def _warm_up(

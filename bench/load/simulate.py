@@ -5,7 +5,9 @@ The drafters and verifiers are :mod:`bench.load.simulated` processes. They speak
 position ``i`` with a configured probability ``acceptance[i]`` and every call costs a sleep drawn from a
 configured latency distribution, so one 2-core machine can hold hundreds of concurrent streams and the router's
 own overhead (its loop, handler threads, detokenization, the wire) is what is measured. The router is the real
-``python -m router`` process with the real tokenizer, so text prompts and streaming text work unchanged.
+``python -m router`` process with the real tokenizer, so text prompts and streaming text work unchanged;
+``num_routers`` of them share the workers as ``specdec up --num-routers`` places them (a client spreads its requests
+over ``SimulatedStack.grpc_addresses``).
 
 >>> config = SimulationConfig(acceptance=(0.8, 0.6))                              # doctest: +SKIP
 >>> with simulated_stack(config, log_dir=Path("/tmp/sim")) as stack:              # doctest: +SKIP
@@ -131,6 +133,7 @@ class SimulationConfig:
     verify_per_seq_ms: float = 0.05
     num_drafters: int = 1
     num_verifiers: int = 1
+    num_routers: int = 1
     vocab_size: int = 49152
     seed: int = 0
     max_concurrent_requests: int = 1024
@@ -143,8 +146,11 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if not self.acceptance or any(not 0.0 <= value <= 1.0 for value in self.acceptance):
             raise ValueError(f"acceptance must be probabilities in [0, 1], got {self.acceptance}")
-        if self.num_verifiers < 1 or self.num_drafters < 0:
-            raise ValueError(f"needs >= 1 verifier and >= 0 drafters, got {self.num_verifiers}, {self.num_drafters}")
+        if self.num_verifiers < 1 or self.num_drafters < 0 or self.num_routers < 1:
+            raise ValueError(
+                f"needs >= 1 verifier, >= 0 drafters and >= 1 router, got {self.num_verifiers}, {self.num_drafters},"
+                f" {self.num_routers}"
+            )
         if self.verify_per_seq_ms < 0 or self.draft_support < 0:
             raise ValueError("verify_per_seq_ms and draft_support must be >= 0")
 
@@ -202,6 +208,12 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--sim-drafters", type=int, default=defaults.num_drafters, help="(default %(default)s)")
     group.add_argument("--sim-verifiers", type=int, default=defaults.num_verifiers, help="(default %(default)s)")
+    group.add_argument(
+        "--sim-routers",
+        type=int,
+        default=defaults.num_routers,
+        help="router processes sharing the workers; requests go to them in turn (default %(default)s)",
+    )
     group.add_argument("--sim-seed", type=int, default=defaults.seed, help="seed of the workers' latency draws")
     group.add_argument(
         "--sim-max-concurrent",
@@ -226,6 +238,7 @@ def simulation_config_from_args(args: argparse.Namespace) -> SimulationConfig:
         verify_per_seq_ms=args.sim_verify_per_seq_ms,
         num_drafters=args.sim_drafters,
         num_verifiers=args.sim_verifiers,
+        num_routers=args.sim_routers,
         seed=args.sim_seed,
         max_concurrent_requests=args.sim_max_concurrent,
         max_waiting_requests=args.sim_max_waiting,
@@ -234,12 +247,22 @@ def simulation_config_from_args(args: argparse.Namespace) -> SimulationConfig:
 
 @dataclass(frozen=True)
 class SimulatedStack:
-    """A running simulated stack: the router's addresses, the model name it serves, and its processes."""
+    """A running simulated stack: the routers' addresses (one per router, in order), the model name they serve,
+    and its processes."""
 
-    grpc_address: str
-    http_address: str
+    grpc_addresses: tuple[str, ...]
+    http_addresses: tuple[str, ...]
     model: str
     services: Services
+
+    @property
+    def grpc_address(self) -> str:
+        """The first router's (the only one unless ``num_routers`` > 1)."""
+        return self.grpc_addresses[0]
+
+    @property
+    def http_address(self) -> str:
+        return self.http_addresses[0]
 
 
 def worker_args(config: SimulationConfig, role: Literal["drafter", "verifier"], index: int) -> list[str]:
@@ -265,9 +288,10 @@ def worker_args(config: SimulationConfig, role: Literal["drafter", "verifier"], 
 
 @contextlib.contextmanager
 def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[SimulatedStack]:
-    """Start the simulated workers and a real router (subprocesses, logs in ``log_dir``); stop all on exit.
+    """Start the simulated workers and ``num_routers`` real routers (subprocesses, logs in ``log_dir``); stop all on
+    exit.
 
-    Workers start together; the router starts once they serve, so its first health check finds them all.
+    Workers start together; the routers start (together) once they serve, so their first health check finds them all.
     """
     with Services(log_dir) as services:
         spawned = [
@@ -300,5 +324,7 @@ def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[Simu
             router_args += ["--drafter", address]
         if config.num_drafters:
             router_args += ["--default-drafter", config.drafter_kind]
-        router = services.start("router", "router", router_args, timeout_s=120.0)
-        yield SimulatedStack(router.ready["grpc"], router.ready["http"], config.model, services)
+        names = ["router"] if config.num_routers == 1 else [f"router-{index}" for index in range(config.num_routers)]
+        routers = [services.spawn(name, "router", router_args) for name in names]
+        ready = [router.wait_ready(120.0) for router in routers]
+        yield SimulatedStack(tuple(r["grpc"] for r in ready), tuple(r["http"] for r in ready), config.model, services)

@@ -83,7 +83,7 @@ async def run_sweep(
     modes: Sequence[str | None] = (None,),
     slo: Slo | None = None,
     progress: bool = True,
-    metrics_url: str | None = None,
+    metrics_urls: Sequence[str] = (),
     report: Callable[[Point], None] | None = None,
 ) -> tuple[list[Point], dict[str, str]]:
     """Run every (rate, mode) point, rates ascending, modes interleaved; returns the points and, per mode that
@@ -98,7 +98,7 @@ async def run_sweep(
             point_options = options if mode is None else replace(options, speculation=mode)
             label = point_label(load, point_options.speculation, speculation_given)
             run = await run_load(
-                make_backend(), prompts, point_options, load, progress=progress, metrics_url=metrics_url, label=label
+                make_backend(), prompts, point_options, load, progress=progress, metrics_urls=metrics_urls, label=label
             )
             summary = summarize(run, slo)
             summary["saturation"] = saturation(summary) if load.qps is not None else None
