@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.load.backends import GrpcBackend
-from bench.load.report import run_metadata
+from bench.load.report import elide_option, run_metadata
 from bench.load.runner import LoadSpec, run_load
 from bench.load.simulate import LatencySpec, SimulatedStack, SimulationConfig, simulated_stack
 from bench.load.summary import summarize
@@ -254,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "num_draft_tokens": base.num_draft_tokens,
         "note": args.note,
     }
-    document = run_metadata(args.name, ["python", "-m", "bench.overhead", *(argv or sys.argv[1:])], config)
+    command = ["python", "-m", "bench.overhead", *elide_option(argv if argv is not None else sys.argv[1:], "--note")]
+    document = run_metadata(args.name, command, config)
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as logs:
         log_dir = Path(logs)
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from specdec_wire.v1 import common_pb2, drafter_pb2, verifier_pb2
 
+from bench.load.report import elide_option
 from grpc_common.convert import proposal_from_wire, proposal_to_wire, tree_from_wire
 from router.text import TextStream
 from specdec.drafters.base import Proposal
@@ -225,17 +226,6 @@ def markdown(document: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _without_note(argv: Sequence[str]) -> list[str]:
-    """The command line less ``--note TEXT`` (the note is printed on its own)."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip or arg == "--note":
-            skip = not skip
-            continue
-        kept.append(arg if not arg.startswith("--note=") else "--note=…")
-    return kept
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.wire", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gamma", type=int, default=4)
@@ -253,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     document = {
         "name": args.name,
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": ["python", "-m", "bench.wire", *_without_note(argv if argv is not None else sys.argv[1:])],
+        "command": ["python", "-m", "bench.wire", *elide_option(argv if argv is not None else sys.argv[1:], "--note")],
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg()[0],
         "number": args.number,

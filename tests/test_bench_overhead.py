@@ -54,3 +54,17 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
     }
     text = markdown(document)
     assert "| 8 | uvloop | 10 | 0.500 |" in text and "| 5.00 | 6.00 (6.00) | 0.83 |" in text
+
+
+def test_a_note_stays_out_of_the_recorded_command() -> None:
+    from bench.load.report import elide_option
+
+    assert elide_option(["--duration", "5", "--note", "long text", "--name", "x"], "--note") == [
+        "--duration",
+        "5",
+        "--note",
+        "…",
+        "--name",
+        "x",
+    ]
+    assert elide_option(["--note=long"], "--note") == ["--note=…"]
