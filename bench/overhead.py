@@ -177,6 +177,8 @@ def markdown(document: dict[str, Any]) -> str:
             f"{_f(row['router_overhead_ms_p99'])} | {_f(row['requests_per_s'], '.1f')} | "
             f"{_f(row['tokens_per_round'])} | {row['failed']} |"
         )
+    if not document["bound"]:
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         f"## Per-token time against the bound (draft {config['bound_draft_latency']}, verify "
