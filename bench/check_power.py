@@ -39,6 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.stack import ModelStack, StackOptions, model_stack
+from specdec import eventloop
 from specdec.check.backends import GrpcBackend, Prompt
 from specdec.check.stats import Outcome, bonferroni, empirical_tv, outcome, sequence_test
 
@@ -267,14 +268,14 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     with model_stack(options) as stack:
         off = {"speculation": "off"}
-        reference, off_s = asyncio.run(draw(stack, off | REFERENCE, args.pool, args.tokens, 1, args.concurrency))
+        reference, off_s = eventloop.run(draw(stack, off | REFERENCE, args.pool, args.tokens, 1, args.concurrency))
         pools = {}
         for index, (name, setting) in enumerate(DISTORTIONS.items(), start=2):
-            pools[name], _ = asyncio.run(
+            pools[name], _ = eventloop.run(
                 draw(stack, off | setting, args.pool, args.tokens, index * 10**6, args.concurrency)
             )
         on = {"speculation": "pipelined", "drafter": "ngram"} | REFERENCE
-        _, on_s = asyncio.run(draw(stack, on, args.rate_requests, args.tokens, 9 * 10**6, args.concurrency))
+        _, on_s = eventloop.run(draw(stack, on, args.rate_requests, args.tokens, 9 * 10**6, args.concurrency))
     sampled_s = time.perf_counter() - started
     rates = {"off_per_min": 60 * args.pool / off_s, "on_per_min": 60 * args.rate_requests / on_s}
     rows = []

@@ -29,7 +29,6 @@ Writes ``NAME.json`` and ``NAME.md`` (γ and tree sections) and the QPS sweep's 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -38,6 +37,7 @@ from typing import Any
 
 from bench.cost_model import expected_tokens_per_round, fit_round_cost, predicted_ms_per_token
 from bench.stack import StackOptions, model_stack
+from specdec import eventloop
 
 GAMMAS = (1, 2, 3, 4, 6, 8)
 
@@ -225,7 +225,7 @@ def qps_sweep(stack: Any, args: argparse.Namespace, prompts: list, options: Any)
         write_point(args.result_dir, point_stem(name, point), point, meta)
         print(f"  {point[1]['label']}: {point[1]['completed']} done", flush=True)
 
-    points, stopped = asyncio.run(
+    points, stopped = eventloop.run(
         run_sweep(
             lambda: GrpcBackend(stack.grpc_address),
             prompts,
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"QPS sweep: see `{args.name}-qps-sweep.md`; target QPS {sweep['target_qps']}.\n")
         if "gamma" in sections:
             print("γ sweep", flush=True)
-            summaries = asyncio.run(
+            summaries = eventloop.run(
                 run_interleaved(
                     stack.grpc_address, prompts, options, gamma_configs(gammas), args.blocks, args.block_size
                 )
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         if "tree" in sections:
             print("chain vs tree", flush=True)
             tree_options = replace(options, temperature=args.tree_temperature)
-            summaries = asyncio.run(
+            summaries = eventloop.run(
                 run_interleaved(
                     stack.grpc_address,
                     prompts,

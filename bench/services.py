@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,9 +26,9 @@ READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 20.0
 
 
-def service_env() -> dict[str, str]:
-    """The environment for a service: this one, offline hub, the repository on ``PYTHONPATH``."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a service: this one, offline hub, the repository on ``PYTHONPATH``, then ``extra``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
@@ -85,15 +86,16 @@ class Services:
         self.log_dir = log_dir
         self.started: list[Service] = []
 
-    def spawn(self, name: str, module: str, args: list[str]) -> Service:
-        """Start ``python -m module *args`` without waiting for it to serve."""
+    def spawn(self, name: str, module: str, args: list[str], env: Mapping[str, str] | None = None) -> Service:
+        """Start ``python -m module *args`` (``env``: variables set on top of :func:`service_env`'s) without waiting
+        for it to serve."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "w") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", module, *args],
                 cwd=ROOT,
-                env=service_env(),
+                env=service_env(env),
                 stdout=subprocess.PIPE,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
@@ -103,9 +105,17 @@ class Services:
         self.started.append(service)
         return service
 
-    def start(self, name: str, module: str, args: list[str], *, timeout_s: float = READY_TIMEOUT_S) -> Service:
+    def start(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        *,
+        timeout_s: float = READY_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+    ) -> Service:
         """Start a service and wait until it serves."""
-        service = self.spawn(name, module, args)
+        service = self.spawn(name, module, args, env)
         service.wait_ready(timeout_s)
         return service
 

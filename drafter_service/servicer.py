@@ -93,7 +93,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self, request: drafter_pb2.DrafterBatchRequest, context: grpc.ServicerContext
     ) -> drafter_pb2.DrafterBatchReply:
         check_batch_size(request.calls, self.max_batch_calls)
-        results = answer_batch(request.calls, self._submit, drafter_pb2.DrafterResult, context)
+        results = answer_batch(
+            request.calls, self._submit, drafter_pb2.DrafterResult, context, together=self.scheduler.together
+        )
         return drafter_pb2.DrafterBatchReply(results=results)
 
     def _submit(self, kind: str, request: Message) -> Submitted:

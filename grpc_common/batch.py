@@ -5,15 +5,19 @@ does (each ``grpc.aio`` call is ~100 µs of Python on the caller), so it sends w
 worker as one ``Batch``. A servicer turns each call into a job on its scheduler (:class:`Submitted`: the job's
 Future and how its result becomes the reply) in the order listed, which is the order the scheduler runs one
 sequence's jobs in, then waits for all of them. The unary RPCs use the same ``submit`` functions, so a call means
-the same thing either way. A ``Batch`` holds at most ``max_calls`` calls (checked before any is decoded); over it the
-whole RPC answers INVALID_ARGUMENT naming ``calls``.
+the same thing either way. The calls are submitted inside the scheduler's ``together`` block, so they reach its
+thread as one group and share its next pass (one forward) instead of the thread waking for the first call alone.
+A ``Batch`` holds at most ``max_calls`` calls (checked before any is decoded); over it the whole RPC answers
+INVALID_ARGUMENT naming ``calls``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import CancelledError, Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -79,23 +83,26 @@ def answer_batch(
     result_type: Callable[..., Message],
     context: grpc.ServicerContext,
     unavailable: tuple[type[BaseException], ...] = (),
+    together: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> list[Message]:
     """One ``result_type`` per call of a ``Batch`` (each call a message with a ``call`` oneof), in order.
 
-    Every call is submitted before any is waited for, so calls of different sequences share the scheduler's batches.
+    Every call is submitted, inside ``together()`` (the scheduler's :meth:`~grpc_common.scheduler.BatchScheduler.
+    together`), before any is waited for, so calls of different sequences share the scheduler's batches.
     A call that fails (when submitted or when run) gets a ``CallError`` with the status its own RPC would have had;
     if the Batch RPC ends first, the jobs that have not started are dropped.
     """
     submitted: list[tuple[str, Submitted | common_pb2.CallError]] = []
-    for call in calls:
-        kind = call.WhichOneof("call")
-        if kind is None:
-            submitted.append(("", call_error(grpc.StatusCode.INVALID_ARGUMENT, "call: no call set")))
-            continue
-        try:
-            submitted.append((kind, submit(kind, getattr(call, kind))))
-        except Exception as error:  # this call's own failure, as its unary RPC would have reported it
-            submitted.append((kind, _error_of(error, unavailable)))
+    with together():
+        for call in calls:
+            kind = call.WhichOneof("call")
+            if kind is None:
+                submitted.append(("", call_error(grpc.StatusCode.INVALID_ARGUMENT, "call: no call set")))
+                continue
+            try:
+                submitted.append((kind, submit(kind, getattr(call, kind))))
+            except Exception as error:  # this call's own failure, as its unary RPC would have reported it
+                submitted.append((kind, _error_of(error, unavailable)))
     futures = [item.future for _, item in submitted if isinstance(item, Submitted)]
     context.add_callback(lambda: [future.cancel() for future in futures])
     results = []

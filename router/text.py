@@ -4,19 +4,32 @@ Tokens arrive a round at a time; text goes out as soon as it is safe to send:
 
 * :class:`IncrementalDetokenizer` releases text only once its bytes form whole characters (a multi-byte
   character split over tokens is held until complete), decoding a short window of recent tokens each time
-  rather than the whole output (vLLM's ``detokenize_incrementally`` scheme, simplified);
+  rather than the whole output (vLLM's ``detokenize_incrementally`` scheme, simplified). It runs for every token
+  of every stream, so it costs one decode per token (the released part of the window is the text of the previous
+  decode, decoded anew only when the window slides, every few tokens), through the Rust tokenizer itself where
+  transformers' ``decode`` would only add Python around the same call (:func:`decoder`);
 * :class:`StopMatcher` holds back any tail that could be the start of a stop string, and on a match cuts the
   text just before it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequence
 CONTEXT_TOKENS = 6  # prompt tokens decoded in front of the output, for tokenizers whose spacing depends on them
+WINDOW_TOKENS = 16  # tokens a decoded window grows to before it slides (then one more decode, of its new prefix)
+
+
+def decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=True)``, the same text, by the shortest route: a
+    transformers fast tokenizer that cleans up no spaces decodes with its Rust tokenizer and nothing else."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
@@ -25,31 +38,43 @@ class IncrementalDetokenizer:
     ``push(id)`` returns the newly complete text (possibly ``""``); ``flush()`` returns whatever is still held
     at the end (an incomplete character decodes to U+FFFD, as a full decode would). Special tokens are skipped.
     The window starts with the prompt's last tokens so a tokenizer's leading-space rules see real context.
+    ``decode`` (default :func:`decoder` of ``tokenizer``) turns a list of ids into text.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int]) -> None:
-        self._tokenizer = tokenizer
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: Sequence[int],
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self._decode_ids = decoder(tokenizer) if decode is None else decode
         self._ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0  # window start: tokens decoded only as context
         self._read_offset = len(self._ids)  # tokens before this have been released as text
+        self._prefix = self._decode(0, self._read_offset)  # the text of the window's released part
 
     def _decode(self, start: int, stop: int | None = None) -> str:
-        return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=True)
+        return self._decode_ids(self._ids[start:stop])
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes."""
         self._ids.append(token_id)
-        prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset)
-        if len(text) <= len(prefix) or text.endswith(REPLACEMENT):
+        if len(text) <= len(self._prefix) or text.endswith(REPLACEMENT):
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return text[len(prefix) :]
+        released, released_from = text[len(self._prefix) :], self._read_offset
+        self._read_offset = len(self._ids)
+        if self._read_offset - self._prefix_offset > WINDOW_TOKENS:  # slide: start at the last release's boundary
+            self._prefix_offset = released_from
+            self._prefix = self._decode(self._prefix_offset, self._read_offset)
+        else:  # the window's whole text is now released: it is the next push's prefix
+            self._prefix = text
+        return released
 
     def flush(self) -> str:
         """Text of tokens still held (an incomplete character at the very end)."""
-        prefix = self._decode(self._prefix_offset, self._read_offset)
         text = self._decode(self._prefix_offset)
+        prefix, self._prefix = self._prefix, ""
         self._prefix_offset = self._read_offset = len(self._ids)
         return text[len(prefix) :] if text.startswith(prefix) else ""
 

@@ -8,7 +8,7 @@ import random
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from router.text import IncrementalDetokenizer, StopMatcher, TextStream
+from router.text import IncrementalDetokenizer, StopMatcher, TextStream, decoder
 from specdec.errors import ModelNotFoundError
 from specdec.models import load_tokenizer
 from tests.tiny_models import SMOLLM2
@@ -32,11 +32,19 @@ def test_deltas_concatenate_to_the_full_decode(tokenizer, text: str) -> None:
 
 def test_random_ids_concatenate_to_the_full_decode(tokenizer) -> None:
     generator = random.Random(0)
-    for _ in range(20):
-        ids = [generator.randrange(len(tokenizer)) for _ in range(30)]
+    for length in [30] * 19 + [100]:  # 100: the window slides several times
+        ids = [generator.randrange(len(tokenizer)) for _ in range(length)]
         detokenizer = IncrementalDetokenizer(tokenizer, [])
         text = "".join(detokenizer.push(token) for token in ids) + detokenizer.flush()
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_direct_decoder_is_transformers_decode(tokenizer) -> None:
+    generator = random.Random(1)
+    decode = decoder(tokenizer)
+    for _ in range(50):
+        ids = [generator.randrange(len(tokenizer)) for _ in range(generator.randrange(1, 12))]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize(

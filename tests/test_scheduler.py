@@ -7,6 +7,7 @@ than the timeout a result is waited for, so a window that waits when it must not
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Iterator
 from concurrent.futures import Future
 
@@ -219,3 +220,49 @@ def test_the_window_does_not_wait_for_a_sequence_whose_plain_job_is_queued(make)
     futures = [worker.submit_batched("a", 0), worker.submit("b", lambda: "b's next call follows this batch")]
     worker.start()
     assert results(futures) == [1, "b's next call follows this batch"]
+
+
+class GatedWorker(FakeWorker):
+    """A FakeWorker whose first batch blocks until ``release`` is set (``started`` says it is running): jobs
+    submitted meanwhile are what has arrived when the next forward starts."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def _run_batch(self, jobs: list[BatchJob[object]]) -> None:
+        if not self.started.is_set():
+            self.started.set()
+            assert self.release.wait(TIMEOUT_S)
+        super()._run_batch(jobs)
+
+
+def test_the_step_loop_starts_each_forward_with_whatever_has_arrived() -> None:
+    worker = GatedWorker(open_sequences={"a", "b", "c"}, max_batch_size=8)  # the default: no window
+    worker.start()
+    try:
+        first = worker.submit_batched("a", 0)
+        assert worker.started.wait(TIMEOUT_S)  # started without b and c, open with nothing queued: no wait for them
+        later = [worker.submit_batched("b", 1), worker.submit_batched("c", 2)]  # arrive during the forward
+        worker.release.set()
+        assert results([first, *later]) == [1, 2, 2]
+        assert worker.log == [[("a", 0)], [("b", 1), ("c", 2)]]
+    finally:
+        worker.release.set()
+        worker.stop()
+
+
+def test_jobs_submitted_together_share_one_pass_and_fail_if_the_scheduler_stopped(make) -> None:
+    worker = make(open_sequences={"a", "b", "c"}, max_batch_size=8)
+    worker.start()  # idle: without together() the thread could wake for "a" and run it alone
+    with worker.together():
+        futures = [worker.submit("a", lambda: worker.note("a's plain job")), worker.submit_batched("a", 0)]
+        futures += [worker.submit_batched("b", 1), worker.submit_batched("c", 2)]
+        assert worker.log == []  # held until the block ends
+    assert results(futures) == ["a's plain job", 1, 1, 1]
+    assert worker.log == ["a's plain job", [("a", 0), ("b", 1), ("c", 2)]]
+    with worker.together():
+        held = worker.submit_batched("a", 3)
+        worker.stop()
+    with pytest.raises(SchedulerStoppedError):
+        held.result(TIMEOUT_S)

@@ -483,7 +483,8 @@ def test_config_from_args_and_env() -> None:
     with pytest.raises(ValueError, match="max_batch_size"):
         VerifierConfig(max_batch_size=0)
     assert VerifierConfig.from_args([], {"SPECDEC_VERIFIER_BATCH_WAIT_MS": "2.5"}).batch_wait_ms == 2.5
-    assert VerifierConfig.from_args(["--batch-wait-ms", "0"], {}).batch_wait_ms == 0
+    assert VerifierConfig().batch_wait_ms == 0  # a step loop: no fixed window unless asked for
+    assert VerifierConfig.from_args(["--batch-wait-ms", "3"], {}).batch_wait_ms == 3
     with pytest.raises(ValueError, match="batch_wait_ms"):
         VerifierConfig(batch_wait_ms=-1)
     assert VerifierConfig().malloc_trim_idle_s == 1.0

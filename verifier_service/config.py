@@ -22,15 +22,15 @@ ENV_PREFIX = "SPECDEC_VERIFIER_"
 class VerifierConfig:
     """Everything a verifier process needs; every field is also ``--field-name`` and ``SPECDEC_VERIFIER_FIELD_NAME``.
 
-    ``max_batch_size`` caps the Verify calls that share one target forward: the scheduler takes every call
-    waiting when the previous batch ends (continuous batching) and, after the first, waits up to
-    ``batch_wait_ms`` for more while some open sequence has none queued (0: no window). The default 5 ms lets
-    concurrent streams, whose replies the router handles one at a time, share each forward instead of
-    splitting into groups that take turns (python -m bench.disaggregated, 8 streams on 2 CPUs: target-only
-    39 tok/s without the window, 53 at 2 ms, 61 at 5 ms, 59 at 10 ms). ``max_batch_tokens`` caps the positions of
-    one forward (prefills of new prompts + draft nodes), so a burst of long new prompts is spread over several
-    forwards instead of stalling every stream's round for one huge one. ``max_sequences`` bounds the open
-    sequences (beyond it OpenSequence answers RESOURCE_EXHAUSTED) and the queued Verify calls.
+    ``max_batch_size`` caps the Verify calls that share one target forward. The scheduler is a step loop
+    (:mod:`grpc_common.scheduler`): a forward starts as soon as the previous one ends, with every call that has
+    arrived, and a ``Batch`` RPC's calls arrive as one group. ``batch_wait_ms`` (default 0: never wait) makes it wait
+    up to that long after the first call of a forward while some open sequence has none queued; that pays only for
+    callers that send their calls one by one a little apart (the router sends each tick's calls as one Batch).
+    ``max_batch_tokens`` caps the positions of one forward (prefills of new prompts + draft nodes), so a burst of
+    long new prompts is spread over several forwards instead of stalling every stream's round for one huge one.
+    ``max_sequences`` bounds the open sequences (beyond it OpenSequence answers RESOURCE_EXHAUSTED) and the queued
+    Verify calls.
     ``max_seq_len`` (0: the model's context) caps prompt + generated tokens of a sequence. ``max_workers``
     (0: ``max_sequences + 8``) is the number of gRPC handler threads; a Verify call holds one while it waits.
     ``world_size`` > 1 shards the model over that many tensor-parallel ranks; ``rank`` 0 serves. Both default
@@ -60,7 +60,7 @@ class VerifierConfig:
     dtype: str = "float32"
     max_batch_size: int = 32
     max_batch_tokens: int = 2048
-    batch_wait_ms: float = 5.0
+    batch_wait_ms: float = 0.0
     max_sequences: int = 256
     max_seq_len: int = 0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -141,7 +141,7 @@ class VerifierConfig:
         option("dtype", str, f"model precision: {', '.join(DTYPES)}")
         option("max_batch_size", int, "most Verify calls in one target forward")
         option("max_batch_tokens", int, "most positions (prompt prefills + draft nodes) in one forward")
-        option("batch_wait_ms", float, "how long to wait for more Verify calls after the first")
+        option("batch_wait_ms", float, "how long to wait for more Verify calls after the first (0: never)")
         option("max_sequences", int, "open sequences before OpenSequence answers RESOURCE_EXHAUSTED")
         option("max_seq_len", int, "context length per sequence (0: the model's)")
         option("max_message_bytes", int, "largest gRPC message accepted or sent")

@@ -1,9 +1,10 @@
 """Continuous batching: one thread owns the BatchVerifier; Verify calls that wait together share one forward.
 
-The machinery is the shared :class:`~grpc_common.scheduler.BatchScheduler`: jobs of one sequence run in arrival
-order, a job whose caller has gone (Future cancelled) before it starts is skipped, after the first Verify the
-thread waits up to ``batch_wait_s`` for more while the batch can still grow (a lone open sequence, or a batch
-holding every open sequence, is never delayed), and with ``idle_trim`` freed heap memory goes back to the OS once the
+The machinery is the shared :class:`~grpc_common.scheduler.BatchScheduler`, a step loop: a forward starts as soon
+as the previous one ends, with every Verify call that has arrived (a Batch RPC's calls arrive as one group); jobs of
+one sequence run in arrival order, a job whose caller has gone (Future cancelled) before it starts is skipped, only
+with ``batch_wait_s`` > 0 (default 0; when it pays: that module's docstring) the thread waits after the first Verify
+for more while the batch can still grow, and with ``idle_trim`` freed heap memory goes back to the OS once the
 thread goes idle (glibc keeps it otherwise, and the idle RSS creeps up). Here: a batch is one ``BatchVerifier.verify``
 call over at most ``max_batch_size`` Verify calls, one per sequence; a call that fails its own checks fails alone and
 the rest of its batch goes on; OpenSequence / CloseSequence / Status jobs run between batches.

@@ -79,7 +79,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         nodes = sum(proposal_nodes(call.verify.proposal) for call in request.calls if call.HasField("verify"))
         if nodes > self.max_batch_nodes:
             raise InvalidArgumentError("calls", f"{nodes} proposal nodes in one Batch; at most {self.max_batch_nodes}")
-        results = answer_batch(request.calls, self._submit, verifier_pb2.VerifierResult, context, _UNAVAILABLE)
+        results = answer_batch(
+            request.calls,
+            self._submit,
+            verifier_pb2.VerifierResult,
+            context,
+            _UNAVAILABLE,
+            together=self.scheduler.together,
+        )
         return verifier_pb2.VerifierBatchReply(results=results)
 
     def _submit(self, kind: str, request: Message) -> Submitted:

@@ -140,14 +140,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, grpc_addresses: list[str], base_urls: list[str], model: str | None) -> int:
-    import asyncio
-
     from bench.load.backends import make_backend
     from bench.load.report import point_stem, run_metadata, write_point, write_results
     from bench.load.runner import LoadSpec
     from bench.load.summary import Slo
     from bench.load.sweep import Point, run_sweep
     from bench.load.workload import RequestOptions, load_prompts
+    from specdec import eventloop
 
     addresses = grpc_addresses if args.backend == "grpc" else base_urls
     if not addresses:
@@ -199,7 +198,7 @@ def _bench(args: argparse.Namespace, grpc_addresses: list[str], base_urls: list[
     def keep_point(point: Point) -> None:
         write_point(args.result_dir, point_stem(name, point), point, meta)
 
-    points, stopped = asyncio.run(
+    points, stopped = eventloop.run(
         run_sweep(
             lambda: make_backend(args.backend, addresses, args.timeout, token),
             prompts,

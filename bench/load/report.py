@@ -72,6 +72,23 @@ def environment() -> dict[str, Any]:
     }
 
 
+def elide_option(argv: Sequence[str], option: str) -> list[str]:
+    """``argv`` with the value of ``option`` (``--opt VALUE`` or ``--opt=VALUE``) shown as ``…``: a long free-text
+    value (a note printed on its own) stays out of the recorded command line."""
+    kept: list[str] = []
+    elide = False
+    for arg in argv:
+        if elide:
+            kept.append("…")
+            elide = False
+        elif arg == option:
+            kept.append(arg)
+            elide = True
+        else:
+            kept.append(f"{option}=…" if arg.startswith(f"{option}=") else arg)
+    return kept
+
+
 def run_metadata(name: str, command: Sequence[str], config: dict[str, Any]) -> dict[str, Any]:
     """The label every result file carries: name, date, the full command and configuration, environment."""
     return {

@@ -11,7 +11,7 @@ over ``SimulatedStack.grpc_addresses``).
 
 >>> config = SimulationConfig(acceptance=(0.8, 0.6))                              # doctest: +SKIP
 >>> with simulated_stack(config, log_dir=Path("/tmp/sim")) as stack:              # doctest: +SKIP
-...     async with AsyncClient(stack.grpc_address) as client: ...
+...     async with AsyncClient(stack.grpc_addresses[0]) as client: ...
 
 Latency strings (milliseconds): ``const:5``, ``normal:5,1`` (mean, sigma; clipped at 0), ``lognormal:5,0.3``
 (mean 5 ms, sigma 0.3 of the underlying normal), ``uniform:3,7`` (low, high).
@@ -30,6 +30,7 @@ from typing import Literal, TypeVar, cast
 import numpy as np
 
 from bench.services import Services
+from specdec import eventloop
 
 WORKER_MODULE = "bench.load.simulated"
 LatencyKind = Literal["const", "normal", "lognormal", "uniform"]
@@ -122,9 +123,11 @@ def expected_accepted_length(acceptance: Sequence[float], num_draft_tokens: int)
 class SimulationConfig:
     """Everything a simulated stack is built from; defaults model a large target verified in ~20 ms batches.
 
-    Draft and verify latencies are per batched call; each sequence in a verify batch adds
-    ``verify_per_seq_ms``. ``draft_support`` is the size of the sparse ``q`` row the drafters send (0: no
-    distribution, one-hot ``q`` as an n-gram drafter sends); it decides the drafter kind the workers report.
+    Draft and verify latencies are per batched call (one sleep per batch, as a GPU forward costs about the same for
+    a batch as for one sequence); each sequence in a verify batch adds ``verify_per_seq_ms``. ``draft_support`` is
+    the size of the sparse ``q`` row the drafters send (0: no distribution, one-hot ``q`` as an n-gram drafter
+    sends); it decides the drafter kind the workers report. ``event_loop`` (None: inherited) is the
+    ``SPECDEC_EVENT_LOOP`` of every process of the stack (:mod:`specdec.eventloop`).
     """
 
     acceptance: tuple[float, ...] = (0.8, 0.7, 0.6, 0.5)
@@ -142,6 +145,7 @@ class SimulationConfig:
     model: str = "smollm2-135m"
     num_draft_tokens: int = 4
     draft_support: int = 4
+    event_loop: str | None = None
 
     def __post_init__(self) -> None:
         if not self.acceptance or any(not 0.0 <= value <= 1.0 for value in self.acceptance):
@@ -293,12 +297,13 @@ def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[Simu
 
     Workers start together; the routers start (together) once they serve, so their first health check finds them all.
     """
+    env = None if config.event_loop is None else {eventloop.ENV: config.event_loop}
     with Services(log_dir) as services:
         spawned = [
-            services.spawn(f"sim-verifier-{index}", WORKER_MODULE, worker_args(config, "verifier", index))
+            services.spawn(f"sim-verifier-{index}", WORKER_MODULE, worker_args(config, "verifier", index), env)
             for index in range(config.num_verifiers)
         ] + [
-            services.spawn(f"sim-drafter-{index}", WORKER_MODULE, worker_args(config, "drafter", index))
+            services.spawn(f"sim-drafter-{index}", WORKER_MODULE, worker_args(config, "drafter", index), env)
             for index in range(config.num_drafters)
         ]
         addresses = [service.wait_ready(60.0)["address"] for service in spawned]
@@ -325,6 +330,6 @@ def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[Simu
         if config.num_drafters:
             router_args += ["--default-drafter", config.drafter_kind]
         names = ["router"] if config.num_routers == 1 else [f"router-{index}" for index in range(config.num_routers)]
-        routers = [services.spawn(name, "router", router_args) for name in names]
+        routers = [services.spawn(name, "router", router_args, env) for name in names]
         ready = [router.wait_ready(120.0) for router in routers]
         yield SimulatedStack(tuple(r["grpc"] for r in ready), tuple(r["http"] for r in ready), config.model, services)

@@ -9,7 +9,6 @@ the Markdown, and exits 0 on pass, 1 on fail, 3 when the budget was too small to
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -17,6 +16,7 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
+from specdec import eventloop
 from specdec.check.backends import Backend, GrpcBackend, HttpBackend, Prompt
 from specdec.check.runner import (
     DEFAULT_SETTINGS,
@@ -201,4 +201,4 @@ async def _check(args: argparse.Namespace) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    return asyncio.run(_check(args))
+    return eventloop.run(_check(args))

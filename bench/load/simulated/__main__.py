@@ -6,13 +6,13 @@ exits 2 with a one-line message instead of a traceback.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
 
 from bench.load.simulated.config import WorkerConfig
 from bench.load.simulated.server import serve
+from specdec import eventloop
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"bench.load.simulated: {error}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config))
+    eventloop.run(serve(config))
     return 0
 
 

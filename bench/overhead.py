@@ -1,0 +1,286 @@
+"""What the router costs per round, on the simulated stack (real router process, simulated workers), by event loop.
+
+Two measurements, each configuration a short closed-loop run (``--duration`` seconds after one uncounted wave of
+warm-up requests), the event loops of ``--event-loop`` interleaved at every stream count (one stack per loop, all
+started up front, so machine drift hits each alike):
+
+1. **Router CPU and overhead per round** at ``--streams`` concurrent streams, the default simulated latencies
+   (:class:`bench.load.simulate.SimulationConfig`). CPU per round = the router process's own CPU clock (utime +
+   stime of ``/proc/PID/stat``, every thread: the loop, gRPC's C threads) over the measured window, divided by the
+   rounds of the requests of that window (their speculation stats). It counts everything the router does (request
+   setup, tokenisation, detokenisation, two ``/metrics`` scrapes), and is less sensitive than wall time to other
+   work on the machine. Overhead per round p50 / p99 is the router's ``specdec:router_overhead_seconds`` over the
+   window (round wall time less the exposed draft, verify and state time: what the router, the wire and queueing
+   add), as ``specdec bench`` reports it.
+2. **Per-token time against the pipeline's bound** at ``--bound-streams`` streams with GPU-like latencies: verify
+   ``--bound-verify-latency`` (15 ms, flat in the batch: a forward costs about the same for a batch as for one
+   sequence), draft ``--bound-draft-latency`` (1–3 ms). Bound = ``max(draft, verify) / E[N]`` with the latency
+   means and ``E[N]`` = tokens the run's rounds really committed; the ratio bound / TPOT (mean time per output
+   token after the first) is what the pipeline achieves of it (1 = the bound).
+
+The simulated devices sleep once per batch (:mod:`bench.load.simulated.device`), so a batch of N costs what a batch
+of one does plus ``verify_per_seq_ms`` per sequence (0 in part 2). The load generator runs in this process on its
+own (uvloop) loop; ``--event-loop`` sets ``SPECDEC_EVENT_LOOP`` of the stack's processes (router and workers).
+Writes ``NAME.json`` and ``NAME.md`` into ``--result-dir``.
+
+    nice -n 5 python -m bench.overhead --streams 1,64,500 --bound-streams 1,8,32,128 --event-loop uvloop,asyncio
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.load.backends import GrpcBackend
+from bench.load.report import elide_option, run_metadata
+from bench.load.runner import LoadSpec, run_load
+from bench.load.simulate import LatencySpec, SimulatedStack, SimulationConfig, simulated_stack
+from bench.load.summary import summarize
+from bench.load.workload import RequestOptions, load_prompts
+from specdec import eventloop
+
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "load.jsonl"
+TARGET_CPU_MS = 0.2  # router CPU per round (issue 15)
+TARGET_OVERHEAD_P50_MS = 1.0  # at the largest stream count
+TARGET_BOUND_RATIO = 0.9
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), in seconds, from ``/proc/PID/stat``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15 of proc(5)
+
+
+def router_pid(stack: SimulatedStack) -> int:
+    return next(service.process.pid for service in stack.services.started if service.name == "router")
+
+
+async def measure(
+    stack: SimulatedStack, prompts: Sequence[Any], options: RequestOptions, streams: int, duration_s: float
+) -> dict[str, Any]:
+    """One warm-up wave of ``streams`` requests, then ``duration_s`` of closed loop at ``streams``; the summary of the
+    measured window plus the router's CPU over it."""
+    warm = LoadSpec(concurrency=streams, num_requests=streams, seed=1)
+    await run_load(GrpcBackend(list(stack.grpc_addresses)), prompts, options, warm, progress=False)
+    pid = router_pid(stack)
+    spec = LoadSpec(concurrency=streams, duration_s=duration_s, seed=2)
+    metrics_urls = [f"http://{stack.http_addresses[0]}/metrics"]
+    cpu_before = process_cpu_s(pid)
+    run = await run_load(
+        GrpcBackend(list(stack.grpc_addresses)), prompts, options, spec, progress=False, metrics_urls=metrics_urls
+    )
+    cpu_s = process_cpu_s(pid) - cpu_before
+    summary = summarize(run)
+    rounds = summary["num_rounds"]
+    return {
+        "streams": streams,
+        "window_s": run.duration_s,
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "errors_by_kind": summary["errors_by_kind"],
+        "rounds": rounds,
+        "router_cpu_s": cpu_s,
+        "router_cpu_ms_per_round": 1e3 * cpu_s / rounds if rounds else None,
+        "router_cpu_fraction": cpu_s / run.duration_s,
+        "router_overhead_ms_p50": summary["router_overhead_ms_p50"],
+        "router_overhead_ms_p99": summary["router_overhead_ms_p99"],
+        "requests_per_s": summary["request_throughput"],
+        "output_tokens_per_s": summary["output_throughput"],
+        "tokens_per_round": summary["tokens_per_round"],
+        "draft_ms_per_round": summary["draft_ms_per_round"],
+        "verify_ms_per_round": summary["verify_ms_per_round"],
+        "mean_tpot_ms": summary["mean_tpot_ms"],
+        "median_tpot_ms": summary["median_tpot_ms"],
+        "pipeline_hit_rate": summary["pipeline_hit_rate"],
+    }
+
+
+async def run_part(
+    configs: dict[str, SimulationConfig],
+    streams: Sequence[int],
+    options: RequestOptions,
+    duration_s: float,
+    log_dir: Path,
+) -> list[dict[str, Any]]:
+    """Every stream count on every stack of ``configs`` (one per event loop), the loops' order alternating."""
+    prompts = load_prompts(PROMPTS)
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stacks:
+        started = {
+            loop: stacks.enter_context(simulated_stack(config, log_dir=log_dir / loop))
+            for loop, config in configs.items()
+        }
+        for step, count in enumerate(streams):
+            order = list(started) if step % 2 == 0 else list(reversed(started))
+            for loop in order:
+                row = await measure(started[loop], prompts, options, count, duration_s)
+                row["event_loop"] = loop
+                rows.append(row)
+                print(json.dumps(_rounded(row)), file=sys.stderr, flush=True)
+    return rows
+
+
+def add_bound(rows: list[dict[str, Any]], draft: LatencySpec, verify: LatencySpec) -> None:
+    """Each row's bound ``max(draft, verify) / E[N]`` (latency means, E[N] measured) and TPOT's share of it."""
+    for row in rows:
+        per_round = max(draft.mean_ms, verify.mean_ms)
+        row["bound_ms_per_token"] = per_round / row["tokens_per_round"] if row["tokens_per_round"] else None
+        tpot = row["mean_tpot_ms"]
+        row["bound_ratio"] = row["bound_ms_per_token"] / tpot if tpot and row["bound_ms_per_token"] else None
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return value
+
+
+def _f(value: Any, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown(document: dict[str, Any]) -> str:
+    env, config = document["environment"], document["config"]
+    lines = [
+        f"# bench.overhead {document['name']}",
+        "",
+        f"{document['date']} · {env['cpu']} ({env['cpus']} CPUs, load {env['load_average'][0]:.2f} at the start) · "
+        f"specdec {env['versions'].get('specdec_commit')} · grpcio {env['versions'].get('grpcio')}",
+        "",
+        f"Command: `{' '.join(document['command'])}`. {config['note']}",
+        "",
+        f"## Router CPU and overhead per round (default simulated latencies: draft {config['draft_latency']}, "
+        f"verify {config['verify_latency']} + {config['verify_per_seq_ms']} ms per sequence)",
+        "",
+        "Targets (issue 15): router CPU ≤ 0.2 ms per round, overhead p50 ≤ 1 ms at the largest stream count.",
+        "",
+        "| streams | event loop | rounds | router CPU ms / round | router CPU (cores) | overhead ms p50 / p99 "
+        "| requests/s | tokens/round | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in document["overhead"]:
+        lines.append(
+            f"| {row['streams']} | {row['event_loop']} | {row['rounds']} | {_f(row['router_cpu_ms_per_round'], '.3f')} "
+            f"| {_f(row['router_cpu_fraction'])} | {_f(row['router_overhead_ms_p50'])} / "
+            f"{_f(row['router_overhead_ms_p99'])} | {_f(row['requests_per_s'], '.1f')} | "
+            f"{_f(row['tokens_per_round'])} | {row['failed']} |"
+        )
+    if not document["bound"]:
+        return "\n".join(lines) + "\n"
+    lines += [
+        "",
+        f"## Per-token time against the bound (draft {config['bound_draft_latency']}, verify "
+        f"{config['bound_verify_latency']} per batch, flat)",
+        "",
+        "Bound = max(draft, verify) / E[N] (latency means; E[N] = tokens committed per round, measured). "
+        "Target (issue 15): bound / TPOT ≥ 0.9 at every stream count.",
+        "",
+        "| streams | event loop | tokens/round | bound ms/token | TPOT ms mean (median) | bound / TPOT "
+        "| router CPU ms / round | overhead ms p50 / p99 | pipeline hit rate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in document["bound"]:
+        lines.append(
+            f"| {row['streams']} | {row['event_loop']} | {_f(row['tokens_per_round'])} | "
+            f"{_f(row['bound_ms_per_token'])} | {_f(row['mean_tpot_ms'])} ({_f(row['median_tpot_ms'])}) | "
+            f"{_f(row['bound_ratio'])} | {_f(row['router_cpu_ms_per_round'], '.3f')} | "
+            f"{_f(row['router_overhead_ms_p50'])} / {_f(row['router_overhead_ms_p99'])} | "
+            f"{_f(row['pipeline_hit_rate'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def _loops(text: str) -> list[str]:
+    loops = [part.strip() for part in text.split(",") if part.strip()]
+    for loop in loops:
+        eventloop.loop_factory(loop)  # an unknown name, or uvloop not installed: fail before any stack starts
+    return loops
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=_ints, default=[1, 64, 500], help="part 1 stream counts ('': skip part 1)")
+    parser.add_argument(
+        "--bound-streams",
+        type=_ints,
+        default=[1, 8, 32, 128],
+        help="part 2 stream counts (default 1,8,32,128; none: '')",
+    )
+    parser.add_argument(
+        "--event-loop", type=_loops, default=["uvloop", "asyncio"], help="SPECDEC_EVENT_LOOP values, interleaved"
+    )
+    parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per configuration")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--speculation", default="pipelined", help="the requests' speculation mode")
+    parser.add_argument("--bound-verify-latency", type=LatencySpec.parse, default=LatencySpec("const", 15.0))
+    parser.add_argument("--bound-draft-latency", type=LatencySpec.parse, default=LatencySpec("uniform", 1.0, 3.0))
+    parser.add_argument("--note", default="", help="a sentence for the report (what else shared the machine)")
+    parser.add_argument("--result-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", default="overhead")
+    args = parser.parse_args(argv)
+
+    options = RequestOptions(max_tokens=args.max_tokens, speculation=args.speculation)
+    base = SimulationConfig()
+    bound = replace(
+        base, draft_latency=args.bound_draft_latency, verify_latency=args.bound_verify_latency, verify_per_seq_ms=0.0
+    )
+    config = {
+        "streams": args.streams,
+        "bound_streams": args.bound_streams,
+        "event_loops": args.event_loop,
+        "duration_s": args.duration,
+        "max_tokens": args.max_tokens,
+        "speculation": args.speculation,
+        "draft_latency": str(base.draft_latency),
+        "verify_latency": str(base.verify_latency),
+        "verify_per_seq_ms": base.verify_per_seq_ms,
+        "bound_draft_latency": str(bound.draft_latency),
+        "bound_verify_latency": str(bound.verify_latency),
+        "acceptance": list(base.acceptance),
+        "num_draft_tokens": base.num_draft_tokens,
+        "note": args.note,
+    }
+    command = ["python", "-m", "bench.overhead", *elide_option(argv if argv is not None else sys.argv[1:], "--note")]
+    document = run_metadata(args.name, command, config)
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as logs:
+        log_dir = Path(logs)
+
+        async def both() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            loops = args.event_loop
+            overhead, rows = [], []
+            if args.streams:
+                configs = {loop: replace(base, event_loop=loop) for loop in loops}
+                overhead = await run_part(configs, args.streams, options, args.duration, log_dir / "overhead")
+            if args.bound_streams:
+                configs = {loop: replace(bound, event_loop=loop) for loop in loops}
+                rows = await run_part(configs, args.bound_streams, options, args.duration, log_dir / "bound")
+            return overhead, rows
+
+        document["overhead"], document["bound"] = eventloop.run(both())
+    add_bound(document["bound"], bound.draft_latency, bound.verify_latency)
+    args.result_dir.mkdir(parents=True, exist_ok=True)
+    (args.result_dir / f"{args.name}.json").write_text(json.dumps(_rounded(document), indent=1) + "\n")
+    text = markdown(document)
+    (args.result_dir / f"{args.name}.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
