@@ -33,6 +33,7 @@ from grpc_common.batch import Submit, Submitted, answer_batch
 from grpc_common.convert import sampling_from_wire, tree_from_wire, tree_to_wire
 from grpc_common.server import RunningServer, start_server
 from router.config import RouterConfig
+from router.errors import WorkerError
 from router.pipeline import Drafted, SequenceSpec
 from router.requests import DraftShape
 from router.server import RunningRouter, start_router
@@ -46,6 +47,7 @@ from specdec.client import (
     Unauthenticated,
     Unavailable,
 )
+from specdec.errors import CancelledByCallerError
 from tests.test_router_pipeline import EOS, PROMPT, FakeDrafter, FakeVerifier, reference, target_next
 
 
@@ -119,14 +121,19 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return self._propose(request, context)
 
     def _propose(self, request, context):
-        drafted = asyncio.run(
-            self.fake.propose(
-                request.sequence_id,
-                request.max_tokens,
-                assume_previous_accepted=request.assume_previous_accepted,
-                propose_id=request.propose_id,
+        try:
+            drafted = asyncio.run(
+                self.fake.propose(
+                    request.sequence_id,
+                    request.max_tokens,
+                    assume_previous_accepted=request.assume_previous_accepted,
+                    propose_id=request.propose_id,
+                )
             )
-        )
+        except WorkerError as error:  # the fake speaks the router's errors; a drafter answers a cancelled one so
+            if error.code == "CANCELLED":
+                raise CancelledByCallerError(str(error)) from error
+            raise
         proposal = common_pb2.Proposal(tree=tree_to_wire(drafted.tree))
         return drafter_pb2.ProposeReply(proposal=proposal, draft_ns=drafted.draft_ns, wire_bytes=proposal.ByteSize())
 
@@ -302,6 +309,23 @@ def test_generate_equals_the_targets_greedy_output(stack: Stack, speculation: st
         assert stats.pipeline_hits + stats.pipeline_misses > 0
     assert not stats.drafter_fallback
     assert wait_until(lambda: not stack.verifier.sequences and not stack.drafter.sequences)
+
+
+def test_a_cancelled_predraft_keeps_the_drafter_over_the_wire(stack: Stack) -> None:
+    """Every guess wrong and every pre-draft answering only once a Commit cancels it: each miss's CANCELLED answer
+    crosses the wire as CANCELLED (the drafter's own status for it), so the router keeps its drafter."""
+    stack.drafter.wrong_every, stack.drafter.hold_predrafts = 1, True
+    cancelled = stack.drafter.cancelled
+    try:
+        with stack.client() as client:
+            result = client.generate(
+                prompt_ids=PROMPT, max_tokens=20, temperature=0.0, ignore_eos=True, speculation="pipelined", seed=3
+            )
+    finally:
+        stack.drafter.wrong_every, stack.drafter.hold_predrafts = 3, False
+    assert result.token_ids == reference(PROMPT, 20)[0]
+    assert result.stats.pipeline_misses > 3 and stack.drafter.cancelled > cancelled
+    assert not result.stats.drafter_fallback
 
 
 def test_stream_yields_chunks_then_the_final_message(stack: Stack) -> None:
