@@ -55,6 +55,9 @@ class Stack:
             grpc_port=0,
             http_port=0,
             shutdown_grace_s=0.5,
+            # a 135M-parameter drafter sharing two busy cores with the verifier (and other tests) can take longer
+            # than the default 5 s per call; these cases assert that no request falls back to target-only
+            drafter_deadline_s=60.0,
         )
         # auto requests (the HTTP cases: the server default) change γ every round, 0 included
         self.router = start_router(config, tokenizer=target.tokenizer, controller=CyclingController())
