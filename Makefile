@@ -22,8 +22,12 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two pytest workers, one per core: each test runs its models on one thread (tests/conftest.py), so one worker
+# leaves a core idle. A file's tests stay on one worker (--dist loadfile), sharing its module fixtures.
+TEST_WORKERS ?= 2
+
 test: install lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.demo
