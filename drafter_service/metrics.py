@@ -5,16 +5,16 @@ The scheduler records them: it owns the batches and the open sequences.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-from grpc_common.metrics import BATCH_SIZE_BUCKETS, log_buckets
+from grpc_common.metrics import BATCH_SIZE_BUCKETS, log_buckets, service_registry
 
 
 class DrafterMetrics:
     """Batching, drafting time and output of one drafter."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = service_registry()
         registry = self.registry
         self.batch_size = Histogram(
             "specdec:drafter_batch_size", "Sequences per drafter call.", buckets=BATCH_SIZE_BUCKETS, registry=registry

@@ -1,8 +1,10 @@
 """Prometheus plumbing the services share: a ``/metrics`` HTTP server per process, bucket bounds, the port flag.
 
 Each service keeps its series in a :class:`~prometheus_client.CollectorRegistry` of its own (DESIGN §10: no module
-globals; tests run several services in one process), and serves it on a port of its own when
-``--metrics-port`` is given.
+globals; tests run several services in one process), made by :func:`service_registry`, and serves it on a port of
+its own when ``--metrics-port`` is given. Every registry also carries the process's own ``process_*`` series (CPU
+seconds, resident memory, open files): the router's CPU per round is what says when to add a router (README,
+"Router replicas").
 """
 
 from __future__ import annotations
@@ -12,12 +14,19 @@ import threading
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 
 from specdec.errors import InvalidArgumentError
 
 # Sequences per batched call: every size up to 4, then about 1.5x apart.
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+
+
+def service_registry() -> CollectorRegistry:
+    """A service's own registry, with the ``process_*`` series of the process that serves it."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    return registry
 
 
 def log_buckets(low: float, high: float, per_decade: int) -> tuple[float, ...]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from grpc_common.errors import status_for
-from grpc_common.metrics import log_buckets
+from grpc_common.metrics import log_buckets, service_registry
 from router.errors import NoWorkerError, UnauthenticatedError, WorkerUnavailableError
 from router.pipeline import Chunk, Drafted, Emit, Final, RoundRecord
 
@@ -51,7 +51,7 @@ class RouterMetrics:
     """Every series of one router; observes sessions as their :class:`~router.pipeline.RoundObserver`."""
 
     def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = service_registry()
         model = ["model_name"]
 
         def counter(name: str, documentation: str, labels: list[str] = model) -> Counter:

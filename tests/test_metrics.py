@@ -41,6 +41,7 @@ MAX_TOKENS = 23
 PROMPT_IDS = [1, 2, 3, 1, 2, 7]
 
 ROUTER_NAMES = {
+    "process_cpu_seconds_total",  # the process's own CPU clock (router CPU per round)
     "vllm:spec_decode_num_drafts_total",
     "vllm:spec_decode_num_draft_tokens_total",
     "vllm:spec_decode_num_accepted_tokens_total",
@@ -65,6 +66,7 @@ ROUTER_NAMES = {
     "specdec:request_failure_total",
 }
 VERIFIER_NAMES = {
+    "process_cpu_seconds_total",  # the process's own CPU clock (router CPU per round)
     "specdec:verifier_batch_size_bucket",
     "specdec:verifier_forward_seconds_bucket",
     "specdec:verifier_verify_calls_total",
@@ -73,6 +75,7 @@ VERIFIER_NAMES = {
     "specdec:wire_bytes_total",
 }
 DRAFTER_NAMES = {
+    "process_cpu_seconds_total",  # the process's own CPU clock (router CPU per round)
     "specdec:drafter_batch_size_bucket",
     "specdec:drafter_propose_seconds_bucket",
     "specdec:drafter_proposals_total",

@@ -6,16 +6,16 @@ the feature rows in each reply.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
+from prometheus_client import Counter, Gauge, Histogram, Summary
 
-from grpc_common.metrics import BATCH_SIZE_BUCKETS, log_buckets
+from grpc_common.metrics import BATCH_SIZE_BUCKETS, log_buckets, service_registry
 
 
 class VerifierMetrics:
     """Batching, forward time, open sequences and queued calls of one verifier serving ``model_name``."""
 
     def __init__(self, model_name: str = "") -> None:
-        self.registry = CollectorRegistry()
+        self.registry = service_registry()
         registry = self.registry
         self.batch_size = Histogram(
             "specdec:verifier_batch_size",
