@@ -5,10 +5,12 @@ Every session's round makes its calls (Propose, Verify, Commit, ...) as its own 
 caps it near a thousand rounds a second. A :class:`CallBatcher` queues the calls made to one worker and, once
 the loop has run every callback ready in this tick (``call_soon``), sends them as one ``Batch``; each caller gets
 its own result back. A session's calls to one worker keep their order: a later call is queued after, and a
-batch lists its calls in queue order, which the worker keeps per sequence. A batch also stays within the worker's
-bounds on one message: at most ``max_calls`` calls and, with a ``weight`` (a verifier's proposal nodes), at most
-``max_weight`` of it (a call heavier than that alone goes alone), since a worker refuses a Batch over its bound as a
-whole.
+batch lists its calls in queue order, which the worker keeps per sequence. Two batches of one tick travel
+concurrently, though, and a worker may run the second first; calls that must not be reordered (a Commit and the
+Propose that drafts from it) are queued as one group (:meth:`CallBatcher.submit_group`), which is never split.
+A batch also stays within the worker's bounds on one message: at most ``max_calls`` calls and, with a ``weight``
+(a verifier's proposal nodes), at most ``max_weight`` of it (a call heavier than that alone goes alone), since a
+worker refuses a Batch over its bound as a whole.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class CallBatcher(Generic[CallT, ResultT]):
         self.max_calls = max_calls
         self._weight = weight
         self.max_weight = max_weight
-        self._queued: list[tuple[CallT, asyncio.Future[ResultT]]] = []
+        self._queued: list[list[tuple[CallT, asyncio.Future[ResultT]]]] = []  # groups, each sent in one batch
         self._flush_scheduled = False
         self._sending: set[asyncio.Task[Any]] = set()
         self.batches = 0  # Batch RPCs sent
@@ -58,25 +60,31 @@ class CallBatcher(Generic[CallT, ResultT]):
 
     def submit(self, call: CallT) -> asyncio.Future[ResultT]:
         """Queue ``call`` for this tick's batch; the Future resolves to its result."""
+        [future] = self.submit_group([call])
+        return future
+
+    def submit_group(self, calls: Sequence[CallT]) -> list[asyncio.Future[ResultT]]:
+        """Queue ``calls`` for this tick, in order and all in the same batch (a group over the bounds goes alone);
+        one Future per call."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[ResultT] = loop.create_future()
-        self._queued.append((call, future))
+        group: list[tuple[CallT, asyncio.Future[ResultT]]] = [(call, loop.create_future()) for call in calls]
+        self._queued.append(group)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
-        return future
+        return [future for _, future in group]
 
     def _flush(self) -> None:
         self._flush_scheduled = False
         queued, self._queued = self._queued, []
         batch: list[tuple[CallT, asyncio.Future[ResultT]]] = []
         total = 0
-        for entry in queued:
-            weight = 0 if self._weight is None else self._weight(entry[0])
-            if batch and (len(batch) == self.max_calls or total + weight > self.max_weight):
+        for group in queued:
+            weight = 0 if self._weight is None else sum(self._weight(call) for call, _ in group)
+            if batch and (len(batch) + len(group) > self.max_calls or total + weight > self.max_weight):
                 self._start(batch)
                 batch, total = [], 0
-            batch.append(entry)
+            batch.extend(group)
             total += weight
         if batch:
             self._start(batch)

@@ -178,16 +178,17 @@ class GrpcDrafter(WorkerClient):
         commit: Commit | None = None,
         propose_id: int = 0,
     ) -> Drafted:
-        committed = None
-        if commit is not None:  # queued first, so the drafter applies it first (same Batch, listed before)
-            committed = self.batcher.submit(_commit_call(sequence_id, *commit))
         request = drafter_pb2.ProposeRequest(
             sequence_id=sequence_id,
             max_tokens=max_tokens,
             assume_previous_accepted=assume_previous_accepted,
             propose_id=propose_id,
         )
-        proposed = self.batcher.submit(drafter_pb2.DrafterCall(propose=request))
+        propose = drafter_pb2.DrafterCall(propose=request)
+        if commit is None:
+            committed, proposed = None, self.batcher.submit(propose)
+        else:  # one group, Commit first: the drafter applies it first, and no batch split can reorder the two
+            committed, proposed = self.batcher.submit_group([_commit_call(sequence_id, *commit), propose])
         try:
             if committed is not None:
                 self._result("commit", await committed)

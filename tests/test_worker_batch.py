@@ -143,6 +143,26 @@ def test_call_batcher_keeps_each_batch_within_the_workers_bound_on_nodes() -> No
     asyncio.run(run())
 
 
+def test_call_batcher_never_splits_a_group_between_batches() -> None:
+    """Two batches of one tick travel concurrently and a worker may run the second first, so a group (a Commit and
+    the Propose drafting from it) stays in one batch: the batch before it closes early instead."""
+    sent: list[list[str]] = []
+
+    async def send(calls: list[str]) -> list[str]:
+        sent.append(calls)
+        return [call.upper() for call in calls]
+
+    async def run() -> None:
+        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=3)
+        singles = [batcher.submit("a"), batcher.submit("b")]
+        group = batcher.submit_group(["commit", "propose"])
+        last = batcher.submit("c")
+        assert await asyncio.gather(*singles, *group, last) == ["A", "B", "COMMIT", "PROPOSE", "C"]
+        assert sent == [["a", "b"], ["commit", "propose", "c"]]
+
+    asyncio.run(run())
+
+
 def test_a_calls_error_maps_to_the_router_error_of_its_status() -> None:
     def failure(code: grpc.StatusCode) -> WorkerError:
         return call_failure("w", drafter_pb2.DrafterResult(error={"code": code.value[0], "message": "m"}).error)
