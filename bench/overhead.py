@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -40,23 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from bench.load.backends import GrpcBackend
-from bench.load.report import elide_option, run_metadata
+from bench.load.report import elide_option, run_metadata, write_report
 from bench.load.runner import LoadSpec, run_load
 from bench.load.simulate import LatencySpec, SimulatedStack, SimulationConfig, simulated_stack
 from bench.load.summary import summarize
 from bench.load.workload import RequestOptions, load_prompts
+from bench.services import process_cpu_s
 from specdec import eventloop
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "load.jsonl"
 TARGET_CPU_MS = 0.2  # router CPU per round (issue 15)
 TARGET_OVERHEAD_P50_MS = 1.0  # at the largest stream count
 TARGET_BOUND_RATIO = 0.9
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of process ``pid`` (all its threads), in seconds, from ``/proc/PID/stat``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15 of proc(5)
 
 
 def router_pid(stack: SimulatedStack) -> int:
@@ -274,11 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         document["overhead"], document["bound"] = eventloop.run(both())
     add_bound(document["bound"], bound.draft_latency, bound.verify_latency)
-    args.result_dir.mkdir(parents=True, exist_ok=True)
-    (args.result_dir / f"{args.name}.json").write_text(json.dumps(_rounded(document), indent=1) + "\n")
-    text = markdown(document)
-    (args.result_dir / f"{args.name}.md").write_text(text)
-    print(text)
+    write_report(args.result_dir, args.name, _rounded(document), markdown(document))
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -32,20 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.load.backends import GrpcBackend
-from bench.load.report import run_metadata
+from bench.load.report import run_metadata, write_report
 from bench.load.runner import LoadSpec, run_load
 from bench.load.simulate import SimulatedStack, add_simulation_arguments, simulated_stack, simulation_config_from_args
 from bench.load.summary import summarize
 from bench.load.workload import RequestOptions, load_prompts
-from bench.services import Service
-
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process ``pid`` so far, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # fields 14 and 15 of proc(5), after pid and comm
+from bench.services import Service, process_cpu_s
 
 
 def machine_ticks() -> tuple[int, int]:
@@ -74,7 +65,7 @@ async def measure(
         warmup_requests=args.warmup,
         seed=args.seed,
     )
-    before = {name: cpu_seconds(service.process.pid) for name, service in processes.items()}
+    before = {name: process_cpu_s(service.process.pid) for name, service in processes.items()}
     own_before, machine_before, wall_before = time.process_time(), machine_ticks(), time.perf_counter()
     run = await run_load(
         GrpcBackend(addresses, timeout_s=300), prompts, options, spec, progress=False, metrics_urls=metrics_urls
@@ -82,7 +73,7 @@ async def measure(
     wall = time.perf_counter() - wall_before
     own = time.process_time() - own_before
     machine_after = machine_ticks()
-    cpu = {name: cpu_seconds(service.process.pid) - before[name] for name, service in processes.items()}
+    cpu = {name: process_cpu_s(service.process.pid) - before[name] for name, service in processes.items()}
     summary = summarize(run)
     # CPU over the whole call (warm-up and scrapes included) against requests and rounds of the measured window,
     # rescaled to the window's share of the call's wall time
@@ -232,11 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     with simulated_stack(config, log_dir=log_dir) as stack:
         points = asyncio.run(run_points(stack, args))
     document = {"meta": meta, "summary": aggregate(points), "points": points}
-    args.result_dir.mkdir(parents=True, exist_ok=True)
-    (args.result_dir / f"{args.name}.json").write_text(json.dumps(document, indent=1) + "\n")
-    text = markdown(document)
-    (args.result_dir / f"{args.name}.md").write_text(text)
-    print(text)
+    write_report(args.result_dir, args.name, document, markdown(document))
     return 0
 
 

@@ -26,6 +26,12 @@ READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 20.0
 
 
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads) so far, in seconds, from ``/proc/PID/stat``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15 of proc(5)
+
+
 def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a service: this one, offline hub, the repository on ``PYTHONPATH``, then ``extra``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra or {})}

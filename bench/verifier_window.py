@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.load.report import write_report
 from grpc_common.scheduler import BatchJob, BatchScheduler
 
 
@@ -154,11 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **{key: value for key, value in vars(args).items() if key not in ("result_dir", "name")},
         "rows": rows,
     }
-    args.result_dir.mkdir(parents=True, exist_ok=True)
-    (args.result_dir / f"{args.name}.json").write_text(json.dumps(document, indent=1) + "\n")
-    text = markdown(document)
-    (args.result_dir / f"{args.name}.md").write_text(text)
-    print(text)
+    write_report(args.result_dir, args.name, document, markdown(document))
     return 0
 
 

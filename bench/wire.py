@@ -20,7 +20,6 @@ Writes ``NAME.json`` and ``NAME.md`` into ``--result-dir``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 from specdec_wire.v1 import common_pb2, drafter_pb2, verifier_pb2
 
-from bench.load.report import elide_option
+from bench.load.report import elide_option, write_report
 from grpc_common.convert import proposal_from_wire, proposal_to_wire, tree_from_wire
 from router.text import TextStream
 from specdec.drafters.base import Proposal
@@ -252,11 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wire": measure(args.gamma, args.support, args.batch, args.number, args.repeats),
         "detokenise": detokenise(args.tokenizer, args.tokens, args.number, args.repeats),
     }
-    args.result_dir.mkdir(parents=True, exist_ok=True)
-    (args.result_dir / f"{args.name}.json").write_text(json.dumps(document, indent=1) + "\n")
-    text = markdown(document)
-    (args.result_dir / f"{args.name}.md").write_text(text)
-    print(text)
+    write_report(args.result_dir, args.name, document, markdown(document))
     return 0
 
 

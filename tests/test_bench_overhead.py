@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 from bench.load.simulate import LatencySpec
-from bench.overhead import add_bound, markdown, process_cpu_s
+from bench.overhead import add_bound, markdown
+from bench.services import process_cpu_s
 
 
 def test_process_cpu_is_read_from_proc_and_grows_with_work() -> None:

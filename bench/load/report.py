@@ -302,6 +302,14 @@ def write_point(result_dir: Path, stem: str, point: Point, meta: dict[str, Any])
     return paths
 
 
+def write_report(result_dir: Path, name: str, document: Any, markdown_text: str) -> None:
+    """``NAME.json`` (``document``) and ``NAME.md`` (``markdown_text``) into ``result_dir``; prints the Markdown."""
+    result_dir.mkdir(parents=True, exist_ok=True)
+    (result_dir / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
+    (result_dir / f"{name}.md").write_text(markdown_text)
+    print(markdown_text)
+
+
 def write_results(
     result_dir: Path,
     name: str,
