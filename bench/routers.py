@@ -21,7 +21,6 @@ Writes ``NAME.json`` and ``NAME.md`` under ``--result-dir``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ from bench.load.simulate import SimulatedStack, add_simulation_arguments, simula
 from bench.load.summary import summarize
 from bench.load.workload import RequestOptions, load_prompts
 from bench.services import Service, process_cpu_s
+from specdec import eventloop
 
 
 def machine_ticks() -> tuple[int, int]:
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["config"].update({key: str(value) for key, value in meta["config"].items() if key.startswith("sim_")})
     log_dir = Path(tempfile.gettempdir()) / "specdec-bench-routers"
     with simulated_stack(config, log_dir=log_dir) as stack:
-        points = asyncio.run(run_points(stack, args))
+        points = eventloop.run(run_points(stack, args))
     document = {"meta": meta, "summary": aggregate(points), "points": points}
     write_report(args.result_dir, args.name, document, markdown(document))
     return 0
