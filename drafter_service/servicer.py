@@ -64,6 +64,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.kind = kind
         self.default_shape = default_shape
         self.feature_width = scheduler.drafter.feature_width
+        self.feature_layers = scheduler.drafter.feature_layers
         self.max_proposal_nodes = max_proposal_nodes
         self.max_batch_calls = max_batch_calls
         self.max_seq_len = max_seq_len
@@ -157,6 +158,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 max_batch=status.max_batch,
                 feature_width=self.feature_width,
                 cancelled_proposals=status.cancelled,
+                feature_layers=self.feature_layers,
             )
 
         return Submitted(self.scheduler.status(), reply).answer(context)

@@ -90,6 +90,7 @@ class SequenceSpec:
     shape: DraftShape
     features: bool = False  # the verifier returns the target's feature rows with every verdict
     top_logprobs: int = 0  # with logprobs: alternatives per emitted token
+    feature_layers: tuple[int, ...] = ()  # the target layers of those rows (empty: the final norm's output)
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ class DrafterClient(Protocol):
 
     address: str
     feature_width: int
+    feature_layers: tuple[int, ...]  # the target layers of those rows (empty: the final norm's output)
     kind: str | None  # ngram, model, early-exit or eagle (None: not known)
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None: ...
@@ -378,7 +380,7 @@ class Session:
 
     # --- opening and closing ------------------------------------------------------------------------------
 
-    def _spec(self, features: bool = False) -> SequenceSpec:
+    def _spec(self, features: bool = False, feature_layers: tuple[int, ...] = ()) -> SequenceSpec:
         plan = self.plan
         prompt = plan.prompt_ids + tuple(self.generated)
         return SequenceSpec(
@@ -390,20 +392,23 @@ class Session:
             plan.shape,
             features,
             plan.top_logprobs,
+            feature_layers,
         )
 
     async def _open(self) -> None:
         """Open on a verifier (required) and a drafter (optional) at once; the verifier sends feature rows when the
         drafter drafts from them."""
         drafter = self._acquire_drafter()
-        opening = [self._spawn(self._open_verifier(features=_takes_features(drafter)))]
+        opening = [self._spawn(self._open_verifier(drafter))]
         if drafter is not None:
             opening.append(self._spawn(self._open_drafter(drafter)))
         await asyncio.gather(*(asyncio.shield(task) for task in opening))
 
-    async def _open_verifier(self, *, features: bool) -> None:
-        """Try verifiers (least loaded first) until one opens; a refusal of the arguments fails at once."""
-        spec, last_error = self._spec(features), None
+    async def _open_verifier(self, drafter: DrafterClient | None) -> None:
+        """Try verifiers (least loaded first) until one opens, sending ``drafter``'s feature rows when it drafts from
+        them; a refusal of the arguments fails at once."""
+        features = _takes_features(drafter)
+        spec, last_error = self._spec(features, drafter.feature_layers if features else ()), None
         while (verifier := self.placement.acquire_verifier(self._failed_verifiers)) is not None:
             try:
                 await verifier.open(self.sequence_id, spec, derive_seed(self.plan.seed, "verifier", self._attempt))
@@ -451,13 +456,13 @@ class Session:
             LOG.warning("no other %s drafter for request %s; it continues target-only", kind, self._base_id)
             return
         LOG.info("request %s: drafter %s replaces a failed one", self._base_id, drafter.address)
-        if _takes_features(drafter) and not await self._reopen_verifier():
+        if _takes_features(drafter) and not await self._reopen_verifier(drafter):
             self.placement.release(drafter)
             self.stats.drafter_fallback = True
             return
         await self._open_drafter(drafter)
 
-    async def _reopen_verifier(self) -> bool:
+    async def _reopen_verifier(self, drafter: DrafterClient) -> bool:
         """A new verifier sequence (a re-prefill of the committed text, under the next sequence id) that sends feature
         rows from position 0, which a replacement drafter that drafts from them needs; the old one is closed once the
         new one is open. False (the old one kept) when none opens."""
@@ -465,7 +470,7 @@ class Session:
         assert old is not None, "the verifier is opened before any round"
         self._attempt += 1
         try:
-            await self._open_verifier(features=True)
+            await self._open_verifier(drafter)
         except (WorkerError, NoWorkerError) as error:
             LOG.warning("request %s: no verifier sequence for a replacement drafter: %s", self._base_id, error)
             self._attempt -= 1
@@ -769,7 +774,7 @@ class Session:
             self._close_in_background(drafter, old_id)
         replacement = self._acquire_drafter() if drafter is not None else None
         try:
-            await self._open_verifier(features=_takes_features(replacement))
+            await self._open_verifier(replacement)
         except BaseException as failure:
             if replacement is not None:
                 self.placement.release(replacement)

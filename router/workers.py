@@ -78,6 +78,7 @@ class Worker:
     chosen: int = 0
     kind: str | None = None  # drafters: ngram, model, early-exit or eagle, once known
     feature_width: int = 0  # drafters: width of the target feature rows it drafts from (0: none), once known
+    feature_layers: tuple[int, ...] = ()  # drafters: the target layers of those rows (empty: the final norm's)
     timeouts: int = 0  # consecutive calls and health checks that timed out
 
     async def call(self, method: Callable[..., Awaitable[T]], request: object, deadline_s: float | None = None) -> T:
@@ -148,6 +149,10 @@ class GrpcDrafter(WorkerClient):
     @property
     def feature_width(self) -> int:
         return self.worker.feature_width
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.worker.feature_layers
 
     @property
     def kind(self) -> str | None:
@@ -263,6 +268,7 @@ class GrpcVerifier(WorkerClient):
             features=spec.features,
             feature_dtype=FEATURE_DTYPE,
             top_logprobs=spec.top_logprobs,
+            feature_layers=spec.feature_layers,
         )
         self.open_sequences.add(sequence_id)
         await self._call("open", verifier_pb2.VerifierCall(open=request))
@@ -456,6 +462,7 @@ class WorkerPool:
                 stub = drafter_pb2_grpc.DrafterStub(worker.channel)
                 status = await worker.call(stub.Status, drafter_pb2.DrafterStatusRequest(), deadline)
                 worker.kind, worker.feature_width = status.kind or None, status.feature_width
+                worker.feature_layers = tuple(status.feature_layers)
         except WorkerError as error:
             LOG.debug("health check of %s failed: %s", worker.address, error)
             serving = False

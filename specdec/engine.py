@@ -141,6 +141,7 @@ class Engine:
             logprobs=request.logprobs,
             features=self.drafter is not None and self.drafter.feature_width > 0,
             top_logprobs=request.top_logprobs,
+            feature_layers=(self.drafter.feature_layers or None) if self.drafter is not None else None,
         )
         tracker = self.controller.tracker() if self.controller is not None else None
         sequence = _Sequence(request, sequence_id, None, tracker=tracker)

@@ -143,8 +143,13 @@ class KVRunner:
 
     @property
     def hidden_size(self) -> int:
-        """Width of a feature row (:meth:`forward_features`)."""
+        """Width of one layer's feature row (:meth:`forward_features`)."""
         return self._hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers run; as a feature layer (:meth:`forward_features`) it names the final norm's output."""
+        return len(self._layers)
 
     @property
     def num_open(self) -> int:
@@ -176,19 +181,31 @@ class KVRunner:
         per tree node; with ``all_logits`` ``[m + N, V]`` (a row per pending token too). An item without
         pending tokens gets ``[N, V]``, the node rows only.
         """
-        return self._forward(items, all_logits=all_logits, features=False)[0]
+        return self._forward(items, all_logits=all_logits, features=())[0]
 
-    def forward_features(self, items: Sequence[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """:meth:`forward`, plus per item the target's **features** ``[m + N, hidden]`` (float32): the final
-        norm's output at every pending token and tree node, the input of the LM head. An EAGLE drafter
-        (:mod:`specdec.drafters.eagle`) drafts from these; the logits are computed exactly as ``forward`` does.
+    def forward_features(
+        self, items: Sequence[ForwardItem], layers: Sequence[int] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`forward`, plus per item the target's **features** ``[m + N, len(layers) * hidden]`` (float32)
+        at every pending token and tree node, one ``hidden``-wide block per entry of ``layers``:
+
+        - ``num_layers`` (the default, alone): the final norm's output, the input of the LM head (EAGLE-1);
+        - ``k < num_layers``: the output of decoder layer ``k``, RMS-normalised without a weight (EAGLE-3 fuses
+          a low, a middle and a high layer). The normalisation is ours: raw residual streams carry massive
+          activations (RMS ~38, single values ~4 400 on SmolLM2's last layer) that neither half-precision wire
+          rows nor a small head's projection handle well; every row is scaled alone, so nothing is lost.
+
+        An EAGLE drafter (:mod:`specdec.drafters.eagle`) drafts from these; the logits are computed exactly as
+        ``forward`` does.
         """
-        logits, features = self._forward(items, all_logits=False, features=True)
-        return logits, features
+        layers = (self.num_layers,) if layers is None else tuple(layers)
+        if not layers or any(not 0 <= layer <= self.num_layers for layer in layers):
+            raise InvalidArgumentError("feature_layers", f"must be in [0, {self.num_layers}], got {list(layers)}")
+        return self._forward(items, all_logits=False, features=layers)
 
     @torch.inference_mode()
     def _forward(
-        self, items: Sequence[ForwardItem], *, all_logits: bool, features: bool
+        self, items: Sequence[ForwardItem], *, all_logits: bool, features: tuple[int, ...] = ()
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         slots, tokens, positions = self._plan(items)
         for slot in slots:
@@ -196,9 +213,12 @@ class KVRunner:
         ids, pos = torch.tensor([tokens, positions], device=self._device)
         hidden = self._embed(ids)  # [T, hidden]
         cos, sin = self._cos[pos].unsqueeze(1), self._signed_sin[pos].unsqueeze(1)  # [T, 1, head_dim]
+        captured: dict[int, torch.Tensor] = {}  # feature layer -> its rows [T, hidden]
         for index, layer in enumerate(self._layers):
             hidden = hidden + self._attention(index, layer.attn, _rms_norm(hidden, layer.input_norm), cos, sin, slots)
             hidden = hidden + layer.mlp(_rms_norm(hidden, layer.post_norm))
+            if index in features:
+                captured[index] = F.rms_norm(hidden, hidden.shape[-1:]).float()
         rows = [
             (slot.row if all_logits or not item.pending else slot.row + len(item.pending) - 1, slot.row + slot.size)
             for slot, item in zip(slots, items, strict=True)
@@ -209,8 +229,10 @@ class KVRunner:
             slot.state.scratch = (len(item.pending), item.tree)
         feature_rows: list[torch.Tensor] = []
         if features:  # RMSNorm is per row: normalising every row leaves the logits' rows unchanged
-            normed = _rms_norm(hidden, self._norm).float()
-            feature_rows = [normed[slot.row : slot.row + slot.size] for slot in slots]
+            if self.num_layers in features:
+                captured[self.num_layers] = _rms_norm(hidden, self._norm).float()
+            fused = captured[features[0]] if len(features) == 1 else torch.cat([captured[k] for k in features], -1)
+            feature_rows = [fused[slot.row : slot.row + slot.size] for slot in slots]
         return list(logits.split([b - a for a, b in rows])), feature_rows
 
     @torch.inference_mode()

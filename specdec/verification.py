@@ -54,6 +54,8 @@ from specdec.tree import ROOT, TokenTree
 FinishReason = Literal["stop", "length"]
 _DRAFT_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed for a draft row (float32 rounding of a normalised row)
 
+MAX_FEATURE_LAYERS = 8  # target layers one feature row may fuse (EAGLE-3 fuses 3)
+
 
 class SequenceNotFoundError(SpecdecError, KeyError):
     """No open sequence has this id (mapped to NOT_FOUND)."""
@@ -76,6 +78,9 @@ class Runner(Protocol):
     def hidden_size(self) -> int: ...
 
     @property
+    def num_layers(self) -> int: ...
+
+    @property
     def num_open(self) -> int: ...
 
     def open(self) -> int: ...
@@ -86,7 +91,9 @@ class Runner(Protocol):
 
     def forward(self, items: Sequence[ForwardItem], *, all_logits: bool = False) -> list[torch.Tensor]: ...
 
-    def forward_features(self, items: Sequence[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+    def forward_features(
+        self, items: Sequence[ForwardItem], layers: Sequence[int] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
     def commit(self, seq: int, num_pending: int, path: Sequence[int] = ()) -> None: ...
 
@@ -121,11 +128,11 @@ class VerifyOutcome:
     rule, ``commit_s`` its KV commits; ``batch_size`` counts the calls verified together and
     ``forward_positions`` the positions their forward ran (prefill chunks included): the cost curve's abscissa.
 
-    ``features`` (when the sequence was opened with ``features``) [R, hidden] float32: the target's feature rows
-    (:meth:`~specdec.runner.KVRunner.forward_features`) of the positions ``feature_start .. feature_start + R - 1``
-    that got KV since the last outcome: prompt chunks, the pending token, the accepted nodes. After every outcome
-    the rows sent cover every position with KV: all committed text but its last token (or all of it, when the
-    bonus was deferred).
+    ``features`` (when the sequence was opened with ``features``) [R, len(feature_layers) * hidden] float32: the
+    target's feature rows (:meth:`~specdec.runner.KVRunner.forward_features`) of the positions
+    ``feature_start .. feature_start + R - 1`` that got KV since the last outcome: prompt chunks, the pending
+    token, the accepted nodes. After every outcome the rows sent cover every position with KV: all committed text
+    but its last token (or all of it, when the bonus was deferred).
     """
 
     verdict: Verdict
@@ -159,7 +166,7 @@ class _Sequence:
     pending: list[int]
     root_row: torch.Tensor | None = None  # [V] kept row at the last committed token: logits (greedy) or p
     finish_reason: FinishReason | None = None
-    want_features: bool = False
+    feature_layers: tuple[int, ...] = ()  # the runner's feature layers of each row; empty: no features
     unsent_features: list[torch.Tensor] = field(default_factory=list)  # rows with KV not yet in an outcome
     features_sent: int = 0  # position of the next feature row an outcome carries
 
@@ -235,11 +242,13 @@ class BatchVerifier:
         logprobs: bool = False,
         features: bool = False,
         top_logprobs: int = 0,
+        feature_layers: Sequence[int] | None = None,
     ) -> None:
         """Open a sequence; the prompt is prefilled with its first :meth:`verify` (or chunk by chunk before it).
 
         ``features``: every outcome carries the target's feature rows of the positions it gave KV (an EAGLE
-        drafter drafts from them). ``top_logprobs`` (with ``logprobs``): every outcome carries that many most
+        drafter drafts from them); ``feature_layers`` says which (:meth:`~specdec.runner.KVRunner.forward_features`;
+        default: the final norm's output). ``top_logprobs`` (with ``logprobs``): every outcome carries that many most
         probable tokens of each emitted token's row.
 
         Raises InvalidArgumentError (bad or duplicate id, bad request fields) or CapacityError (``max_sequences``).
@@ -253,6 +262,15 @@ class BatchVerifier:
             raise InvalidArgumentError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
         if top_logprobs and not logprobs:
             raise InvalidArgumentError("top_logprobs", "needs logprobs")
+        layers = (self.runner.num_layers,) if feature_layers is None else tuple(int(k) for k in feature_layers)
+        if features and not 1 <= len(layers) <= MAX_FEATURE_LAYERS:
+            raise InvalidArgumentError(
+                "feature_layers", f"must name 1 to {MAX_FEATURE_LAYERS} layers, got {len(layers)}"
+            )
+        if features and any(not 0 <= k <= self.runner.num_layers for k in layers):
+            raise InvalidArgumentError(
+                "feature_layers", f"must be in [0, {self.runner.num_layers}], got {list(layers)}"
+            )
         if self.max_sequences is not None and len(self._sequences) >= self.max_sequences:
             raise CapacityError(f"{self.max_sequences} sequences are open; retry after some finish")
         self._sequences[sequence_id] = _Sequence(
@@ -264,7 +282,7 @@ class BatchVerifier:
             top_logprobs=top_logprobs,
             remaining=max_tokens,
             pending=[int(token) for token in prompt_ids],
-            want_features=features,
+            feature_layers=layers if features else (),
         )
 
     def generator(self, sequence_id: str) -> torch.Generator:
@@ -387,14 +405,21 @@ class BatchVerifier:
         forwarded = [job for job in jobs if job.forwarded]
         items = [ForwardItem(job.runner_seq, job.sequence.pending, job.call.proposal.tree) for job in forwarded]
         items += [ForwardItem(sequence.runner_seq, sequence.pending[:count]) for sequence, count in chunks]
-        wanted = any(job.sequence.want_features for job in forwarded) or any(s.want_features for s, _ in chunks)
-        if wanted:
-            outputs, features = self.runner.forward_features(items)
+        wanting = [job.sequence for job in forwarded] + [sequence for sequence, _ in chunks]
+        layers = sorted({layer for sequence in wanting for layer in sequence.feature_layers})
+        if layers:  # one forward captures every layer any sequence wants; each keeps its own blocks, in its order
+            outputs, features = self.runner.forward_features(items, layers)
+            picks = {
+                sequence.feature_layers: _feature_columns(layers, sequence.feature_layers, self.runner.hidden_size)
+                for sequence in wanting
+                if sequence.feature_layers
+            }
             for job, rows in zip(forwarded, features, strict=False):
-                job.features = rows if job.sequence.want_features else None
+                wanted = job.sequence.feature_layers
+                job.features = rows[:, picks[wanted]] if wanted else None
             for (sequence, count), rows in zip(chunks, features[len(forwarded) :], strict=True):
-                if sequence.want_features:
-                    sequence.unsent_features.append(rows[:count])
+                if sequence.feature_layers:
+                    sequence.unsent_features.append(rows[:count, picks[sequence.feature_layers]])
         else:
             outputs = self.runner.forward(items) if items else []
         # logits [1 + N, V], or [N, V] off a kept row; the chunks' rows (after the jobs') are not needed
@@ -456,13 +481,21 @@ class BatchVerifier:
 
 def _take_features(sequence: _Sequence, hidden_size: int) -> dict[str, torch.Tensor | int]:
     """The outcome fields carrying ``sequence``'s unsent feature rows (none unless it wants features); clears them."""
-    if not sequence.want_features:
+    if not sequence.feature_layers:
         return {}
     rows, sequence.unsent_features = sequence.unsent_features, []
-    features = torch.cat(rows) if rows else torch.empty(0, hidden_size)
+    features = torch.cat(rows) if rows else torch.empty(0, hidden_size * len(sequence.feature_layers))
     start = sequence.features_sent
     sequence.features_sent += len(features)
     return {"features": features, "feature_start": start}
+
+
+def _feature_columns(captured: Sequence[int], wanted: Sequence[int], hidden_size: int) -> torch.Tensor | slice:
+    """Columns of rows holding the blocks of ``captured`` layers that give the blocks of ``wanted``, in order."""
+    if list(captured) == list(wanted):
+        return slice(None)
+    blocks = [captured.index(layer) for layer in wanted]
+    return torch.cat([torch.arange(b * hidden_size, (b + 1) * hidden_size) for b in blocks])
 
 
 def _verify_sampled(jobs: list[_Job], scheme: str, rule: SampledRule) -> list[Verdict]:

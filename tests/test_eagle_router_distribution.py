@@ -51,8 +51,11 @@ def target() -> LoadedModel:
     return tiny_llama(seed=11, vocab_size=VOCAB, num_layers=2)
 
 
-def save_tiny_head(target: LoadedModel, directory: Path) -> Path:
-    head = EagleHead.from_target(target.model, torch.arange(VOCAB))
+FUSED = (0, 1)  # an EAGLE-3 head of the 2-layer target fuses both layers' outputs
+
+
+def save_tiny_head(target: LoadedModel, directory: Path, feature_layers: tuple[int, ...] = ()) -> Path:
+    head = EagleHead.from_target(target.model, torch.arange(VOCAB), feature_layers=feature_layers)
     save_head(head, directory, HeadInfo(verifier="tiny", num_draft_tokens=3))
     return directory
 
@@ -64,13 +67,17 @@ def router_address(target: LoadedModel, tmp_path_factory: pytest.TempPathFactory
         yield router.grpc_address
 
 
-def test_the_eagle_drafter_service_reports_its_feature_width(target: LoadedModel, tmp_path: Path) -> None:
-    head = str(save_tiny_head(target, tmp_path))
+@pytest.mark.parametrize("feature_layers", [(), FUSED], ids=["final-norm", "fused"])
+def test_the_eagle_drafter_service_reports_its_feature_rows(
+    target: LoadedModel, tmp_path: Path, feature_layers: tuple[int, ...]
+) -> None:
+    head = str(save_tiny_head(target, tmp_path, feature_layers))
     config = DrafterConfig.from_args(["--kind", "eagle", "--draft-model", head], environ={})
     assert (config.kind, config.draft_model) == ("eagle", head)
     with start_drafter(config, target=target) as running, grpc.insecure_channel(running.address) as channel:
         status = drafter_pb2_grpc.DrafterStub(channel).Status(drafter_pb2.DrafterStatusRequest(), timeout=10)
-    assert (status.kind, status.feature_width) == ("eagle", target.model.config.hidden_size)
+    width = target.model.config.hidden_size * max(1, len(feature_layers))
+    assert (status.kind, status.feature_width, tuple(status.feature_layers)) == ("eagle", width, feature_layers)
 
 
 def test_without_a_draft_model_the_head_cached_for_the_target_is_used(
@@ -82,6 +89,13 @@ def test_without_a_draft_model_the_head_cached_for_the_target_is_used(
         build_core_drafter(config, target=target)
     save_tiny_head(target, tmp_path / "eagle" / target.name)
     assert isinstance(build_core_drafter(config, target=target), EagleDrafter)
+
+
+@pytest.fixture(scope="module")
+def fused_router_address(target: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    head = save_tiny_head(target, tmp_path_factory.mktemp("eagle3-head"), FUSED)
+    with served_router(target, DrafterConfig(kind="eagle", target="tiny", draft_model=str(head))) as router:
+        yield router.grpc_address
 
 
 def sample(address: str, case: str, seed: int) -> list[GenerateResult]:
@@ -111,8 +125,21 @@ def sample(address: str, case: str, seed: int) -> list[GenerateResult]:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_eagle_over_the_wire_follows_the_target_law(router_address: str, target: LoadedModel, case: str) -> None:
+    check_law(router_address, target, case, seed=90_000 + 10_000 * list(CASES).index(case))
+
+
+@pytest.mark.slow
+def test_a_fused_eagle3_head_over_the_wire_follows_the_target_law(
+    fused_router_address: str, target: LoadedModel
+) -> None:
+    """The verifier sends the fused layers' rows (two layers: twice as wide) the head asked for through
+    the drafter's status; pipelined chains, so pre-drafts run on the head's own predictions too."""
+    check_law(fused_router_address, target, "chain-pipelined", seed=190_000)
+
+
+def check_law(address: str, target: LoadedModel, case: str, seed: int) -> None:
     speculation, _, _, params = CASES[case]
-    results = sample(router_address, case, seed=90_000 + 10_000 * list(CASES).index(case))
+    results = sample(address, case, seed=seed)
     stats = [result.stats for result in results]
     assert not any(s.drafter_fallback for s in stats)
     assert sum(s.accepted_tokens for s in stats) > 0 and all(s.feature_bytes > 0 for s in stats)

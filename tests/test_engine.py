@@ -211,6 +211,10 @@ class SpyDrafter:
     def feature_width(self) -> int:
         return self.inner.feature_width
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.inner.feature_layers
+
     def open(self, prompt: list[int], params: SamplingParams, generator: torch.Generator) -> int:
         return self.inner.open(prompt, params, generator)
 

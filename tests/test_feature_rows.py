@@ -252,6 +252,7 @@ class FeatureDrafter:
     def __init__(self, width: int, vocab_size: int) -> None:
         self.inner = NgramDrafter(DraftConfig(num_draft_tokens=3), vocab_size=vocab_size)
         self.feature_width = width
+        self.feature_layers = ()
         self.prompts: dict[int, list[int]] = {}
         self.rows: dict[int, list[torch.Tensor]] = {}
         self.syncs: dict[int, list[tuple[int, int]]] = {}

@@ -137,6 +137,7 @@ class FakeDrafter:
     """
 
     feature_width = 0
+    feature_layers = ()
     kind = None
 
     def __init__(

@@ -76,6 +76,7 @@ class BatchedVerifier(BatchedWorker):
 class BatchedDrafter(BatchedWorker):
     worker: FakeDrafter
     feature_width = 0
+    feature_layers = ()
     kind = None
 
     async def propose(

@@ -113,9 +113,10 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         logprobs: bool,
         features: torch.dtype | None = None,
         top_logprobs: int = 0,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> Future:
         """:meth:`BatchVerifier.open` on the scheduler thread; -> None. ``features``: the dtype the sequence's feature
-        rows are handed over in (None: it takes none)."""
+        rows are handed over in (None: it takes none), ``feature_layers`` their layers (None: the final norm's)."""
 
         def run() -> None:
             self.verifier.open(
@@ -129,6 +130,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
                 logprobs=logprobs,
                 features=features is not None,
                 top_logprobs=top_logprobs,
+                feature_layers=feature_layers,
             )
             if features is not None:
                 self._feature_dtypes[sequence_id] = features

@@ -107,6 +107,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request.logprobs,
             feature_dtype_from_wire(request.feature_dtype) if request.features else None,
             request.top_logprobs,
+            tuple(request.feature_layers) or None,
         )
         return Submitted(future, lambda _: verifier_pb2.OpenVerifyReply())
 

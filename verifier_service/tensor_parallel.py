@@ -90,6 +90,10 @@ class BroadcastRunner:
         return self.runner.hidden_size
 
     @property
+    def num_layers(self) -> int:
+        return self.runner.num_layers
+
+    @property
     def num_open(self) -> int:
         return self.runner.num_open
 
@@ -118,11 +122,13 @@ class BroadcastRunner:
         self._send(("forward", (list(items), all_logits)))
         return self.runner.forward(items, all_logits=all_logits)
 
-    def forward_features(self, items: Sequence[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def forward_features(
+        self, items: Sequence[ForwardItem], layers: Sequence[int] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`forward` with features; the other ranks run a plain forward (the same collectives: the hidden
-        state is replicated after each layer, and the norm that makes features has none)."""
+        state is replicated after each layer, and the norms that make features have none)."""
         self._send(("forward", (list(items), False)))
-        return self.runner.forward_features(items)
+        return self.runner.forward_features(items, layers)
 
     def _send(self, op: Op) -> None:
         message = [[*self._queued, op]]

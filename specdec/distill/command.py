@@ -38,7 +38,7 @@ from specdec.distill.data import (
 )
 from specdec.distill.prompts import load_prompt_set
 from specdec.distill.train import CHECKPOINT_FILE, EvalResult, TrainConfig, choose_draft_vocab, make_batches, train
-from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+from specdec.drafters.eagle_head import EagleHead, HeadInfo, eagle3_layers, save_head
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
@@ -61,6 +61,12 @@ def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argpar
     parser.add_argument("--minutes", type=float, help="training time budget (default 10 when --steps is not given)")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size K")
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the head")
+    parser.add_argument(
+        "--features",
+        choices=("final", "fused"),
+        default="final",
+        help="what the head reads: the target's final-norm rows (EAGLE-1) or a low, middle and high layer (EAGLE-3)",
+    )
     parser.add_argument("--unroll-steps", type=int, default=3, help="training-time unrolled steps (1: none)")
     parser.add_argument("--feature-weight", type=float, default=0.2, help="weight of the feature regression loss")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
@@ -91,7 +97,9 @@ def run_distill(args: argparse.Namespace) -> int:
     train_examples, held_out = collect_data(target, args, data_dir)
     data_minutes = (time.monotonic() - started) / 60
     vocab = _draft_vocab(out, train_examples, args.draft_vocab, target)
-    head = EagleHead.from_target(target.model, vocab, num_layers=args.layers)
+    fused = args.features == "fused"
+    feature_layers = eagle3_layers(int(target.model.config.num_hidden_layers)) if fused else ()
+    head = EagleHead.from_target(target.model, vocab, num_layers=args.layers, feature_layers=feature_layers)
     config = TrainConfig(
         steps=args.steps,
         minutes=args.minutes if args.minutes is not None or args.steps is not None else 10.0,
@@ -102,8 +110,10 @@ def run_distill(args: argparse.Namespace) -> int:
         seed=args.seed,
         bf16=not args.fp32,
     )
-    batches = make_batches(train_examples, config.batch_tokens, config.max_length)
-    held_out_batches = make_batches(held_out, config.batch_tokens, config.max_length)
+    batches = make_batches(train_examples, config.batch_tokens, config.max_length, fused=fused)
+    held_out_batches = make_batches(held_out, config.batch_tokens, config.max_length, fused=fused)
+    examples, training_tokens = len(train_examples), sum(e.response_length for e in train_examples)
+    del train_examples, held_out  # the batches hold what training reads
     info = HeadInfo(verifier=args.target, num_draft_tokens=4)
     best: list[float] = [-1.0]
     snapshots = sorted(float(m) for m in args.snapshot_minutes.split(",") if m.strip())
@@ -116,8 +126,9 @@ def run_distill(args: argparse.Namespace) -> int:
     def summary(result: EvalResult) -> dict:
         return {
             "out": str(out),
-            "examples": len(train_examples),
-            "training_tokens": sum(e.response_length for e in train_examples),
+            "examples": examples,
+            "training_tokens": training_tokens,
+            "features": args.features,
             "tokens_seen": seen[0],
             "draft_vocab": len(vocab),
             "data_minutes": round(data_minutes, 2),
@@ -161,6 +172,7 @@ def collect_data(target: LoadedModel, args: argparse.Namespace, data_dir: Path) 
     if target.tokenizer is None:
         raise InvalidArgumentError("target", f"{target.name!r} has no tokenizer to apply the chat template")
     runner = KVRunner(target.model)
+    fused_layers = eagle3_layers(runner.num_layers)  # kept beside the final norm's rows: either head kind trains
     deadline = time.monotonic() + args.data_minutes * 60
     if args.data is not None:
         conversations = read_conversations(args.data)
@@ -169,7 +181,9 @@ def collect_data(target: LoadedModel, args: argparse.Namespace, data_dir: Path) 
         splits = {"heldout": conversations[:cut], "train": conversations[cut:]}
 
         def teacher_force(todo: list[Conversation]) -> Iterator[Example]:
-            return teacher_force_examples(runner, target.tokenizer, todo, max_tokens=args.max_tokens)
+            return teacher_force_examples(
+                runner, target.tokenizer, todo, max_tokens=args.max_tokens, fused_layers=fused_layers
+            )
 
         for split, rows in splits.items():
             _fill(data_dir / split, rows, teacher_force)
@@ -189,6 +203,7 @@ def collect_data(target: LoadedModel, args: argparse.Namespace, data_dir: Path) 
             sampling_for=_sampling_for,
             seed=args.seed,
             deadline=until,
+            fused_layers=fused_layers,
         )
 
     _fill(data_dir / "heldout", [Conversation(r.id, r.messages) for r in held], lambda t: generate(t, None))

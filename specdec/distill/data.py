@@ -1,9 +1,10 @@
 """Self-distillation data: the target's own responses and its features, written to shards as they finish.
 
 Each conversation becomes one :class:`Example`: the token ids of prompt + response, the prompt length, and the
-target's feature rows (:meth:`~specdec.runner.KVRunner.forward_features`, the final norm's output) of every
-position but the last. The features of a position are the target's state after reading it; a drafter head
-trained on them learns to continue the target from its own state (EAGLE).
+target's feature rows (:meth:`~specdec.runner.KVRunner.forward_features`) of every position but the last: the
+final norm's output (what an EAGLE-1 head reads and every head is trained to predict) and, when asked, the
+fused low / middle / high layer rows an EAGLE-3 head reads instead. The features of a position are the target's
+state after reading it; a drafter head trained on them learns to continue the target from its own state (EAGLE).
 
 Two sources:
 
@@ -50,12 +51,14 @@ class Conversation:
 
 @dataclass(frozen=True)
 class Example:
-    """``token_ids`` [L] prompt + response; ``features`` [L - 1, hidden] at positions ``0 .. L - 2``."""
+    """``token_ids`` [L] prompt + response; ``features`` [L - 1, hidden] (final norm) and ``fused``
+    [L - 1, layers * hidden] (the fused layers, or None) at positions ``0 .. L - 2``."""
 
     id: str
     token_ids: torch.Tensor
     prompt_length: int
     features: torch.Tensor
+    fused: torch.Tensor | None = None
 
     @property
     def response_length(self) -> int:
@@ -80,6 +83,7 @@ def generate_examples(
     seed: int,
     max_prompt_tokens: int = 512,
     deadline: float | None = None,
+    fused_layers: Sequence[int] = (),
 ) -> Iterator[Example]:
     """The target's responses to ``prompts`` (``(id, token ids)``, e.g. :func:`encode_chat` of a conversation)
     with features, in completion order.
@@ -87,9 +91,11 @@ def generate_examples(
     ``sampling_for(index)`` gives the settings of the ``index``-th conversation (e.g. greedy for most, a
     temperature for some, so the head sees the contexts both kinds of request produce); its seed is
     ``seed + index``. At most ``batch_size`` sequences run together; no new one starts after ``deadline``
-    (``time.monotonic()``). Prompts longer than ``max_prompt_tokens`` are skipped.
+    (``time.monotonic()``). Prompts longer than ``max_prompt_tokens`` are skipped. ``fused_layers``: each
+    example also keeps those layers' rows (``Example.fused``).
     """
     verifier = BatchVerifier(runner)
+    layers = (*fused_layers, runner.num_layers)
     pending = iter(enumerate(prompts))
     active: dict[str, tuple[list[int], list[torch.Tensor], list[int]]] = {}
     exhausted = False
@@ -103,7 +109,14 @@ def generate_examples(
             if len(prompt) > max_prompt_tokens:
                 continue
             verifier.open(
-                prompt_id, prompt, sampling_for(index), seed + index, max_tokens, eos_token_ids, features=True
+                prompt_id,
+                prompt,
+                sampling_for(index),
+                seed + index,
+                max_tokens,
+                eos_token_ids,
+                features=True,
+                feature_layers=layers,
             )
             active[prompt_id] = (prompt, [], [])
         if not active:
@@ -116,12 +129,7 @@ def generate_examples(
             if outcome.finish_reason is not None:
                 verifier.close(sequence_id)
                 del active[sequence_id]
-                yield Example(
-                    sequence_id,
-                    torch.tensor(prompt + response, dtype=torch.int32),
-                    len(prompt),
-                    torch.cat(features),
-                )
+                yield _example(sequence_id, prompt + response, len(prompt), torch.cat(features), runner.hidden_size)
 
 
 def teacher_force_examples(
@@ -130,6 +138,7 @@ def teacher_force_examples(
     conversations: Iterable[Conversation],
     *,
     max_tokens: int,
+    fused_layers: Sequence[int] = (),
 ) -> Iterator[Example]:
     """Examples from conversations whose last message is the assistant's response (``--data FILE.jsonl``).
 
@@ -146,17 +155,27 @@ def teacher_force_examples(
         if full[: len(prompt)] != prompt or len(full) <= len(prompt):
             raise InvalidArgumentError("data", f"conversation {conversation.id!r}: the template does not extend")
         tokens = full[: len(prompt) + max_tokens]
-        verifier.open(conversation.id, tokens, SamplingParams(temperature=0.0), 0, 1, frozenset(), features=True)
+        verifier.open(
+            conversation.id,
+            tokens,
+            SamplingParams(temperature=0.0),
+            0,
+            1,
+            frozenset(),
+            features=True,
+            feature_layers=(*fused_layers, runner.num_layers),
+        )
         try:
             (outcome,) = verifier.verify([VerifyCall(conversation.id, _EMPTY)])
         finally:
             verifier.close(conversation.id)
-        yield Example(
-            conversation.id,
-            torch.tensor(tokens, dtype=torch.int32),
-            len(prompt),
-            outcome.features.to(FEATURE_DTYPE),
-        )
+        yield _example(conversation.id, tokens, len(prompt), outcome.features.to(FEATURE_DTYPE), runner.hidden_size)
+
+
+def _example(id_: str, tokens: list[int], prompt_length: int, rows: torch.Tensor, hidden_size: int) -> Example:
+    """An example from feature rows [L - 1, (layers + 1) * hidden]: the fused layers' blocks, then the final norm's."""
+    fused = rows[:, :-hidden_size] if rows.shape[1] > hidden_size else None
+    return Example(id_, torch.tensor(tokens, dtype=torch.int32), prompt_length, rows[:, -hidden_size:], fused)
 
 
 def read_conversations(path: Path) -> list[Conversation]:
@@ -198,6 +217,7 @@ class ShardWriter:
             "token_ids": [e.token_ids for e in self._buffer],
             "prompt_lengths": [e.prompt_length for e in self._buffer],
             "features": [e.features for e in self._buffer],
+            "fused": [e.fused for e in self._buffer],
         }
         final = self.directory / f"shard-{self._next:05d}.pt"
         partial = final.with_suffix(".partial")
@@ -212,10 +232,11 @@ def read_shards(directory: Path) -> list[Example]:
     examples = []
     for path in sorted(directory.glob("shard-*.pt")):
         shard = torch.load(path, weights_only=True)
+        fused = shard.get("fused") or [None] * len(shard["ids"])  # shards written before fused rows existed
         examples += [
-            Example(id_, tokens, prompt_length, features)
-            for id_, tokens, prompt_length, features in zip(
-                shard["ids"], shard["token_ids"], shard["prompt_lengths"], shard["features"], strict=True
+            Example(*fields)
+            for fields in zip(
+                shard["ids"], shard["token_ids"], shard["prompt_lengths"], shard["features"], fused, strict=True
             )
         ]
     return examples

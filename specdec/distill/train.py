@@ -1,7 +1,8 @@
 """Training an EAGLE head (:mod:`specdec.drafters.eagle_head`) on self-distillation examples.
 
 Per example (prompt + response, ``L`` tokens, target features ``F_0 .. F_(L-2)``) the head reads, at head
-position ``i = 1 .. L-2``, the token ``t_i`` and the feature ``F_(i-1)``, and is trained towards ``F_i``:
+position ``i = 1 .. L-2``, the token ``t_i`` and the feature ``F_(i-1)`` (a fused head: the fused rows ``A_(i-1)``
+through its ``fc``), and is trained towards ``F_i``:
 
 - **soft cross-entropy** to the target's law of ``t_(i+1)`` over the draft vocabulary, ``softmax(lm_head(F_i))``
   (the target's own LM-head rows, so this is the target's distribution restricted to the K draft tokens);
@@ -62,11 +63,12 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Batch:
-    """Right-padded rows: ``tokens`` [B, T], ``features`` [B, T, H] (input, ``F_(i-1)``), ``targets`` [B, T, H]
-    (``F_i``), ``positions`` [B, T], ``loss_mask`` [B, T] (rows that predict a response token)."""
+    """Right-padded rows: ``tokens`` [B, T], ``inputs`` [B, T, W] (the target rows read: ``F_(i-1)``, or the
+    fused ``A_(i-1)``), ``targets`` [B, T, H] (``F_i``), ``positions`` [B, T], ``loss_mask`` [B, T] (rows that
+    predict a response token). Rows are stored in half precision (a large data set stays in memory)."""
 
     tokens: torch.Tensor
-    features: torch.Tensor
+    inputs: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor
     loss_mask: torch.Tensor
@@ -105,39 +107,44 @@ def choose_draft_vocab(examples: Sequence[Example], size: int, vocab_size: int, 
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
-def make_batches(examples: Sequence[Example], batch_tokens: int, max_length: int) -> list[Batch]:
+def make_batches(
+    examples: Sequence[Example], batch_tokens: int, max_length: int, *, fused: bool = False
+) -> list[Batch]:
     """Examples grouped by length into batches of at most ``batch_tokens`` padded rows (each cut to
-    ``max_length`` head positions)."""
+    ``max_length`` head positions); ``fused``: the inputs are the examples' fused rows (an EAGLE-3 head)."""
+    if fused and any(e.fused is None for e in examples):
+        raise InvalidArgumentError("data", "a fused head needs examples with fused rows (regenerate the data)")
     rows = sorted((e for e in examples if len(e.token_ids) >= 3), key=lambda e: len(e.token_ids))
     batches, group = [], []
     for example in rows:
         length = min(len(example.token_ids) - 2, max_length)
         if group and (len(group) + 1) * length > batch_tokens:
-            batches.append(_collate(group, max_length))
+            batches.append(_collate(group, max_length, fused))
             group = []
         group.append(example)
     if group:
-        batches.append(_collate(group, max_length))
+        batches.append(_collate(group, max_length, fused))
     return batches
 
 
-def _collate(examples: list[Example], max_length: int) -> Batch:
+def _collate(examples: list[Example], max_length: int, fused: bool) -> Batch:
     length = min(max(len(e.token_ids) - 2 for e in examples), max_length)
     hidden = examples[0].features.shape[-1]
+    width = examples[0].fused.shape[-1] if fused else hidden
     count = len(examples)
     tokens = torch.zeros(count, length, dtype=torch.long)
-    features = torch.zeros(count, length, hidden)
-    targets = torch.zeros(count, length, hidden)
+    inputs = torch.zeros(count, length, width, dtype=torch.float16)
+    targets = torch.zeros(count, length, hidden, dtype=torch.float16)
     loss_mask = torch.zeros(count, length, dtype=torch.bool)
     for row, example in enumerate(examples):
         size = min(len(example.token_ids) - 2, length)  # head positions 1 .. size
         tokens[row, :size] = example.token_ids[1 : size + 1].long()
-        features[row, :size] = example.features[:size].float()
-        targets[row, :size] = example.features[1 : size + 1].float()
+        inputs[row, :size] = (example.fused if fused else example.features)[:size]
+        targets[row, :size] = example.features[1 : size + 1]
         head_positions = torch.arange(1, size + 1)
         loss_mask[row, :size] = head_positions + 1 >= example.prompt_length  # predicts t_(i+1) of the response
     positions = torch.arange(1, length + 1).expand(count, length)
-    return Batch(tokens, features, targets, positions, loss_mask)
+    return Batch(tokens, inputs, targets, positions, loss_mask)
 
 
 def unrolled_mask(length: int, step: int) -> torch.Tensor:
@@ -180,12 +187,13 @@ def unrolled_forward(head: EagleHead, batch: Batch, steps: int) -> list[torch.Te
     length = batch.tokens.shape[1]
     cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in head.layers]
     outputs = []
-    features = batch.features
+    true_features = head.project(batch.inputs.float())
+    features = true_features
     for step in range(steps):
         attend = _UnrolledAttention(cache, unrolled_mask(length, step))
         predicted = head.forward_rows(batch.tokens, features, batch.positions, attend)
         outputs.append(predicted)
-        features = torch.cat([batch.features[:, :1], predicted[:, :-1]], dim=1)  # row i reads this step's g_(i-1)
+        features = torch.cat([true_features[:, :1], predicted[:, :-1]], dim=1)  # row i reads this step's g_(i-1)
     return outputs
 
 
@@ -193,7 +201,8 @@ def batch_loss(head: EagleHead, batch: Batch, config: TrainConfig) -> tuple[torc
     """The weighted loss and, per unroll step, the fraction of response rows whose argmax agrees."""
     mask = batch.loss_mask
     with torch.no_grad():
-        target = torch.softmax(head.logits(batch.targets[mask]), dim=-1)  # [R, K]
+        targets = batch.targets[mask].float()  # [R, H]
+        target = torch.softmax(head.logits(targets), dim=-1)  # [R, K]
         target_top = target.argmax(dim=-1)
     total = torch.zeros(())
     agree = []
@@ -201,7 +210,7 @@ def batch_loss(head: EagleHead, batch: Batch, config: TrainConfig) -> tuple[torc
         rows = predicted[mask]
         log_q = torch.log_softmax(head.logits(rows), dim=-1)
         cross_entropy = -(target * log_q).sum(dim=-1).mean()
-        regression = F.smooth_l1_loss(rows, batch.targets[mask])
+        regression = F.smooth_l1_loss(rows, targets.to(rows.dtype))
         total = total + config.step_decay**step * (cross_entropy + config.feature_weight * regression)
         agree.append(float((log_q.argmax(dim=-1) == target_top).float().mean()))
     return total, agree

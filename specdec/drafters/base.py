@@ -196,6 +196,12 @@ class Drafter(Protocol):
         """Width of the target feature rows this drafter drafts from (EAGLE); 0 when it takes none."""
         ...
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose rows those are (:meth:`~specdec.runner.KVRunner.forward_features`); empty: the
+        final norm's output, the default."""
+        ...
+
     def add_features(self, handle: int, start: int, rows: torch.Tensor) -> None:
         """The target's feature rows [R, feature_width] of text positions ``start .. start + R - 1``, as the
         verifier's outcomes carry them (:class:`~specdec.verification.VerifyOutcome`); given before the
@@ -279,6 +285,10 @@ class SequenceDrafter(ABC, Generic[S]):
     @property
     def feature_width(self) -> int:
         return 0
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return ()
 
     def add_features(self, handle: int, start: int, rows: torch.Tensor) -> None:
         """Drafters that take no target features refuse them."""

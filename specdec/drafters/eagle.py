@@ -126,12 +126,17 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
 
     @property
     def feature_width(self) -> int:
-        return self.head.hidden_size
+        return self.head.feature_width
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.feature_layers
 
     def add_features(self, handle: int, start: int, rows: torch.Tensor) -> None:
-        """Store true features [R, hidden] of positions ``start ..``; they must continue (or overlap) what the
-        sequence holds. They may run past the text by what one round commits: the rows of accepted nodes come
-        before the commit that appends them."""
+        """Store true features [R, feature_width] of positions ``start ..`` (as the head's input features,
+        :meth:`~specdec.drafters.eagle_head.EagleHead.project`); they must continue (or overlap) what the sequence
+        holds. They may run past the text by what one round commits: the rows of accepted nodes come before the
+        commit that appends them."""
         state = self._sequence(handle)
         if rows.ndim != 2 or rows.shape[1] != self.feature_width:
             raise InvalidArgumentError("features", f"need rows of width {self.feature_width}, got {tuple(rows.shape)}")
@@ -143,11 +148,12 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
                 f"{len(state.text)} tokens by more than one round",
             )
         if end > state.features.shape[0]:
-            grown = torch.empty(max(end, 2 * state.features.shape[0], 64), self.feature_width)
+            grown = torch.empty(max(end, 2 * state.features.shape[0], 64), self.head.hidden_size)
             if state.num_features:
                 grown[: state.num_features] = state.features[: state.num_features]
             state.features = grown
-        state.features[start:end] = rows.float()
+        with torch.inference_mode():
+            state.features[start:end] = self.head.project(rows.float())
         if start < state.num_features and state.committed > start:  # re-sent rows: head KV read the old ones
             state.committed = start
         state.num_features = max(state.num_features, end)

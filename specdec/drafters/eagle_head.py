@@ -9,7 +9,13 @@ position before and the token at ``i``::
     g_i  = norm(h_i)                                 the head's prediction of F_i (the target's final norm)
     q_i  = softmax(lm_head(g_i))                     over the K draft tokens: the law of t_(i+1)
 
-Drafting past the committed text feeds ``g`` back as the next input feature. The LM head holds the target's
+Drafting past the committed text feeds ``g`` back as the next input feature.
+
+**Fused features (EAGLE-3, arXiv 2503.01840).** A head made with ``feature_layers`` reads, instead of ``F``, the
+outputs of a low, a middle and a high target layer (:func:`eagle3_layers`, each RMS-normalised by the target's
+runner), projected by ``fc`` [layers * H -> H] before the fusion: ``x_i = fusion_fc([embed(t_i), fc(A_(i-1))])``.
+Lower layers still hold what the last one has already traded for its next-token guess. Drafted rows feed ``g``
+back as before, and ``g`` is still trained towards ``F`` (it feeds the LM head). The LM head holds the target's
 rows of the ``K`` draft tokens (``draft_to_target``); every other token has ``q = 0``, so verification stays
 exact. ``embed_tokens`` and ``lm_head`` are the target's, frozen; ``fusion_fc``, the layers and ``norm`` train.
 
@@ -36,11 +42,18 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from specdec.errors import IncompatibleDraftError, InvalidArgumentError, ModelNotFoundError
 
-SPECULATORS_MODEL_TYPE = "eagle"
+SPECULATORS_MODEL_TYPE, FUSED_MODEL_TYPE = "eagle", "eagle3"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 # attend(layer index, query [B, heads, T, d], key [B, kv_heads, T, d], value) -> [B, heads, T, d]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """The low, middle and high decoder layers whose outputs an EAGLE-3 head fuses: EAGLE-3's hidden states
+    ``2, L // 2, L - 3`` (index 0 there is the embedding output, so layer ``k`` here is its ``k + 1``);
+    ``(1, 14, 26)`` for SmolLM2's 30 layers. Clamped into ``0 .. L - 1`` for the tiny test models."""
+    return tuple(min(max(k, 0), num_layers - 1) for k in (1, num_layers // 2 - 1, num_layers - 4))
 
 
 @dataclass(frozen=True)
@@ -54,13 +67,22 @@ class HeadInfo:
 class EagleHead(nn.Module):
     """The head's modules and its forward over packed rows; attention is the caller's (:data:`Attend`)."""
 
-    def __init__(self, layer_config: LlamaConfig, draft_to_target: torch.Tensor, vocab_size: int) -> None:
+    def __init__(
+        self,
+        layer_config: LlamaConfig,
+        draft_to_target: torch.Tensor,
+        vocab_size: int,
+        feature_layers: tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
         hidden = layer_config.hidden_size
         if draft_to_target.ndim != 1 or not 1 <= len(draft_to_target) <= vocab_size:
             raise InvalidArgumentError("draft_vocab", f"must hold 1..{vocab_size} token ids")
         self.layer_config = layer_config
         self.vocab_size = vocab_size
+        self.feature_layers = tuple(feature_layers)  # target layers fused (EAGLE-3); empty: the final norm's output
+        if self.feature_layers:
+            self.fc = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False)
         self.embed_tokens = nn.Embedding(vocab_size, hidden)
         self.fusion_fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(layer_config, i) for i in range(layer_config.num_hidden_layers))
@@ -77,17 +99,38 @@ class EagleHead(nn.Module):
     def draft_vocab_size(self) -> int:
         return len(self.draft_to_target)
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target rows the head reads: ``hidden_size`` per fused layer, or one final-norm row."""
+        return self.hidden_size * max(1, len(self.feature_layers))
+
+    def project(self, rows: torch.Tensor) -> torch.Tensor:
+        """The head's input features [..., H] of target rows [..., feature_width]: ``fc`` of fused rows, or the
+        final-norm rows themselves."""
+        return self.fc(rows.to(self.fc.weight.dtype)) if self.feature_layers else rows
+
     @classmethod
-    def from_target(cls, target: PreTrainedModel, draft_to_target: torch.Tensor, num_layers: int = 1) -> EagleHead:
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        draft_to_target: torch.Tensor,
+        num_layers: int = 1,
+        feature_layers: tuple[int, ...] = (),
+    ) -> EagleHead:
         """A fresh head for ``target``: its embeddings, final norm and LM-head rows; layers initialised from the
-        target's last ``num_layers`` layers (a far better start than random for a one-layer head)."""
+        target's last ``num_layers`` layers (a far better start than random for a one-layer head). With
+        ``feature_layers`` (e.g. :func:`eagle3_layers`) the head fuses those layers' rows; ``fc`` starts as the
+        final norm's weight over the highest one, the nearest of them to the final-norm rows."""
         if num_layers < 1:
             raise InvalidArgumentError("layers", f"must be >= 1, got {num_layers}")
+        total = int(target.config.num_hidden_layers)
+        if any(not 0 <= layer < total for layer in feature_layers):
+            raise InvalidArgumentError("feature_layers", f"must be in [0, {total}), got {list(feature_layers)}")
         config = LlamaConfig(**target.config.to_dict())
         config.num_hidden_layers = num_layers
         for stale in ("quantization_config", "_name_or_path", "architectures"):
             config.__dict__.pop(stale, None)
-        head = cls(config, draft_to_target, int(target.config.vocab_size))
+        head = cls(config, draft_to_target, int(target.config.vocab_size), tuple(feature_layers))
         decoder = target.model
         with torch.no_grad():
             head.embed_tokens.weight.copy_(decoder.embed_tokens.weight)
@@ -98,6 +141,10 @@ class EagleHead(nn.Module):
             hidden = config.hidden_size  # start as "embedding + feature": the identity on each half, halved
             eye = torch.eye(hidden) * 0.5
             head.fusion_fc.weight.copy_(torch.cat([eye, eye], dim=1))
+            if feature_layers:
+                highest = max(range(len(feature_layers)), key=lambda block: feature_layers[block])
+                head.fc.weight.zero_()
+                head.fc.weight[:, highest * hidden : (highest + 1) * hidden] = torch.diag(decoder.norm.weight)
         head.embed_tokens.weight.requires_grad_(False)
         head.lm_head.weight.requires_grad_(False)
         return head
@@ -158,19 +205,22 @@ def save_head(head: EagleHead, directory: Path, info: HeadInfo) -> None:
     tensors.pop("draft_to_target")
     tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()
     tensors["t2d"] = t2d
+    fused = bool(head.feature_layers)
+    model_type = FUSED_MODEL_TYPE if fused else SPECULATORS_MODEL_TYPE
     config = {
-        "architectures": ["EagleSpeculator"],
-        "speculators_model_type": SPECULATORS_MODEL_TYPE,
+        "architectures": ["Eagle3Speculator" if fused else "EagleSpeculator"],
+        "speculators_model_type": model_type,
         "speculators_version": "0.1.0",
         "draft_vocab_size": head.draft_vocab_size,
         "target_vocab_size": head.vocab_size,
         "target_hidden_size": head.hidden_size,
         "layernorms": True,
         "fusion_bias": False,
-        "feature": "final_norm_output",
+        "feature": "rms_normalised_layer_outputs" if fused else "final_norm_output",
+        "eagle_aux_hidden_state_layer_ids": list(head.feature_layers) if fused else None,
         "transformer_layer_config": head.layer_config.to_dict(),
         "speculators_config": {
-            "algorithm": SPECULATORS_MODEL_TYPE,
+            "algorithm": model_type,
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": info.num_draft_tokens}],
             "verifier": {"name_or_path": info.verifier, "architectures": ["LlamaForCausalLM"]},
@@ -198,11 +248,13 @@ def load_head(
         verifier = config["speculators_config"]["verifier"]["name_or_path"]
         methods = config["speculators_config"].get("proposal_methods") or [{}]
         num_draft_tokens = int(methods[0].get("speculative_tokens", 4))
+        feature_layers = tuple(int(k) for k in config.get("eagle_aux_hidden_state_layer_ids") or ())
     except (ValueError, KeyError, TypeError) as error:
         raise InvalidArgumentError("draft_model", f"{config_path}: not a speculators config ({error!r})") from error
-    if model_type != SPECULATORS_MODEL_TYPE:
+    expected = FUSED_MODEL_TYPE if feature_layers else SPECULATORS_MODEL_TYPE
+    if model_type != expected:
         raise InvalidArgumentError(
-            "draft_model", f"{config_path}: speculators_model_type {model_type!r} is not {SPECULATORS_MODEL_TYPE!r}"
+            "draft_model", f"{config_path}: speculators_model_type {model_type!r} is not {expected!r}"
         )
     if hidden_size is not None and layer_config.hidden_size != hidden_size:
         raise IncompatibleDraftError(
@@ -218,7 +270,7 @@ def load_head(
     tensors.pop("t2d", None)
     if d2t is None or len(d2t) != draft_vocab:
         raise InvalidArgumentError("draft_model", f"{weights_path}: d2t must hold draft_vocab_size={draft_vocab} rows")
-    head = EagleHead(layer_config, d2t.long() + torch.arange(draft_vocab), target_vocab)
+    head = EagleHead(layer_config, d2t.long() + torch.arange(draft_vocab), target_vocab, feature_layers)
     tensors["draft_to_target"] = head.draft_to_target
     try:
         head.load_state_dict(tensors, strict=True)
