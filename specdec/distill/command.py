@@ -94,10 +94,10 @@ def run_distill(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data_dir = distill_data_dir(args.target) if args.data is None else out / "data"
     started = time.monotonic()
-    train_examples, held_out = collect_data(target, args, data_dir)
+    fused = args.features == "fused"
+    train_examples, held_out = collect_data(target, args, data_dir, fused=fused)
     data_minutes = (time.monotonic() - started) / 60
     vocab = _draft_vocab(out, train_examples, args.draft_vocab, target)
-    fused = args.features == "fused"
     feature_layers = eagle3_layers(int(target.model.config.num_hidden_layers)) if fused else ()
     head = EagleHead.from_target(target.model, vocab, num_layers=args.layers, feature_layers=feature_layers)
     config = TrainConfig(
@@ -167,8 +167,11 @@ def _write_summary(directory: Path, summary: dict) -> None:
     (directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def collect_data(target: LoadedModel, args: argparse.Namespace, data_dir: Path) -> tuple[list[Example], list[Example]]:
-    """Training and held-out examples: what the cache holds, plus what the time budget adds."""
+def collect_data(
+    target: LoadedModel, args: argparse.Namespace, data_dir: Path, *, fused: bool
+) -> tuple[list[Example], list[Example]]:
+    """Training and held-out examples: what the cache holds, plus what the time budget adds (``fused``: with the
+    fused layers' rows, which only a fused head reads)."""
     if target.tokenizer is None:
         raise InvalidArgumentError("target", f"{target.name!r} has no tokenizer to apply the chat template")
     runner = KVRunner(target.model)
@@ -187,7 +190,7 @@ def collect_data(target: LoadedModel, args: argparse.Namespace, data_dir: Path) 
 
         for split, rows in splits.items():
             _fill(data_dir / split, rows, teacher_force)
-        return read_shards(data_dir / "train"), read_shards(data_dir / "heldout")
+        return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
     held = load_prompt_set("heldout")[: args.held_out_prompts]
     train_rows = load_prompt_set("train")
     random.Random(args.seed).shuffle(train_rows)  # a time-bounded run still sees every category
@@ -208,14 +211,14 @@ def collect_data(target: LoadedModel, args: argparse.Namespace, data_dir: Path) 
 
     _fill(data_dir / "heldout", [Conversation(r.id, r.messages) for r in held], lambda t: generate(t, None))
     _fill(data_dir / "train", [Conversation(r.id, r.messages) for r in train_rows], lambda t: generate(t, deadline))
-    return read_shards(data_dir / "train"), read_shards(data_dir / "heldout")
+    return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
 
 
 def _fill(
     directory: Path, conversations: list[Conversation], make: Callable[[list[Conversation]], Iterator[Example]]
 ) -> None:
     """Add to ``directory`` the examples of the conversations it does not hold yet."""
-    done = {example.id for example in read_shards(directory)} if directory.is_dir() else set()
+    done = {example.id for example in read_shards(directory, fused=False)} if directory.is_dir() else set()
     todo = [c for c in conversations if c.id not in done]
     if not todo:
         return

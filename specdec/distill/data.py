@@ -227,16 +227,26 @@ class ShardWriter:
         self._buffer = []
 
 
-def read_shards(directory: Path) -> list[Example]:
-    """Every example stored under ``directory`` (in shard order)."""
+def read_shards(directory: Path, *, fused: bool = True) -> list[Example]:
+    """Every example stored under ``directory`` (in shard order); ``fused=False`` leaves out the fused rows.
+
+    Shards are memory-mapped: rows are read from disk when used, so listing a large data set (or the ids of what
+    it holds) costs no memory.
+    """
     examples = []
     for path in sorted(directory.glob("shard-*.pt")):
-        shard = torch.load(path, weights_only=True)
-        fused = shard.get("fused") or [None] * len(shard["ids"])  # shards written before fused rows existed
+        shard = torch.load(path, weights_only=True, mmap=True)
+        count = len(shard["ids"])
+        rows = shard.get("fused") if fused else None  # shards written before fused rows existed have none
         examples += [
             Example(*fields)
             for fields in zip(
-                shard["ids"], shard["token_ids"], shard["prompt_lengths"], shard["features"], fused, strict=True
+                shard["ids"],
+                shard["token_ids"],
+                shard["prompt_lengths"],
+                shard["features"],
+                rows or [None] * count,
+                strict=True,
             )
         ]
     return examples
