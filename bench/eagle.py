@@ -62,7 +62,7 @@ SHAPES = {
     "tree d4 w2 b8": DraftConfig(num_draft_tokens=4, tree_width=2, tree_budget=8),
 }
 BUDGET_SHAPE = "chain γ=4"
-TRAINING_KEYS = ("train_minutes", "data_minutes", "training_tokens", "tokens_seen")  # of train-summary.json
+TRAINING_KEYS = ("features", "train_minutes", "data_minutes", "training_tokens", "tokens_seen")  # train-summary.json
 MAX_DEPTH = max(config.num_draft_tokens for config in SHAPES.values())
 
 DEFINITIONS = """\
@@ -452,13 +452,14 @@ def _budget_table(rows: list[dict[str, Any]]) -> list[str]:
     depth = SHAPES[BUDGET_SHAPE].num_draft_tokens
     acc_heads = " | ".join(f"acc@{i}" for i in range(1, depth + 1))
     lines = [
-        "| head | train minutes | training tokens | tokens seen | held-out τ (γ=4, drafted rounds) "
+        "| head | features | train minutes | training tokens | tokens seen | held-out τ (γ=4, drafted rounds) "
         f"| tokens/round (all rounds) | acceptance rate | {acc_heads} |",
-        "|---|---|---|---|---|---|---" + "|---" * depth + "|",
+        "|---|---|---|---|---|---|---|---" + "|---" * depth + "|",
     ]
     for row in rows:
         cells = [
             f"`{row['head']}`",
+            row.get("features") or "final",
             "" if row["train_minutes"] is None else f"{row['train_minutes']:.1f}",
             "" if row["training_tokens"] is None else str(row["training_tokens"]),
             "" if row["tokens_seen"] is None else str(row["tokens_seen"]),
