@@ -20,22 +20,29 @@ from specdec.runner import ForwardItem, KVRunner
 
 
 def memorised_head(
-    target: LoadedModel, texts: list[tuple[list[int], list[int]]], directory: Path, steps: int = 60
+    target: LoadedModel,
+    texts: list[tuple[list[int], list[int]]],
+    directory: Path,
+    steps: int = 60,
+    feature_layers: tuple[int, ...] = (),
 ) -> Path:
-    """Train and save (to ``directory``) a head on ``texts`` (prompt ids, output ids); returns ``directory``."""
+    """Train and save (to ``directory``) a head on ``texts`` (prompt ids, output ids); returns ``directory``.
+    ``feature_layers``: a fused (EAGLE-3) head reading those layers."""
     runner = KVRunner(target.model)
+    hidden = runner.hidden_size
     examples = []
     for index, (prompt, output) in enumerate(texts):
         tokens = prompt + output
         sequence = runner.open()
-        _, (features,) = runner.forward_features([ForwardItem(sequence, tokens)])
+        _, (rows,) = runner.forward_features([ForwardItem(sequence, tokens)], (*feature_layers, runner.num_layers))
         runner.close(sequence)
-        examples.append(Example(str(index), torch.tensor(tokens), len(prompt), features[:-1].clone()))
+        fused = rows[:-1, :-hidden].clone() if feature_layers else None
+        examples.append(Example(str(index), torch.tensor(tokens), len(prompt), rows[:-1, -hidden:].clone(), fused))
     vocab = choose_draft_vocab(examples, 1024, target.vocab_size, sorted(target.eos_token_ids))
     torch.manual_seed(0)
-    head = EagleHead.from_target(target.model, vocab)
+    head = EagleHead.from_target(target.model, vocab, feature_layers=feature_layers)
     config = TrainConfig(steps=steps, learning_rate=2e-3, warmup_steps=5, batch_tokens=4096, eval_every=steps)
-    batches = make_batches(examples, config.batch_tokens, config.max_length)
+    batches = make_batches(examples, config.batch_tokens, config.max_length, fused=bool(feature_layers))
     train(head, batches, batches[:1], config)
     save_head(head, directory, HeadInfo(verifier=target.name, num_draft_tokens=4))
     return directory

@@ -1,6 +1,7 @@
 """The whole stack on the real SmolLM2-135M: router (gRPC + OpenAI HTTP) over a verifier service and n-gram,
-early-exit and eagle drafter services (the eagle head trained briefly on the expected outputs, so it accepts often
-and its features really travel verifier -> router -> drafter). Greedy chat output through the router, as token ids
+early-exit and eagle drafter services (a fused EAGLE-3 head trained briefly on the expected outputs, so it accepts
+often and the three layers' feature rows really travel verifier -> router -> drafter; the co-located greedy test
+covers the final-norm kind). Greedy chat output through the router, as token ids
 and as text, streamed or not, equals the co-located Engine's target-only output for the same chat-templated prompt
 (DESIGN §3). The early-exit drafter pre-drafts for three outcomes (multi-outcome pre-drafting); the eagle drafter
 for one, pipelining trees too; every pipelined miss cancels its pre-draft."""
@@ -19,6 +20,7 @@ from router.config import RouterConfig
 from router.server import start_router
 from specdec.cli import encode_prompt
 from specdec.client import Client
+from specdec.drafters.eagle_head import eagle3_layers
 from specdec.engine import Engine, GenerationRequest
 from specdec.models import LoadedModel
 from specdec.runner import KVRunner
@@ -33,6 +35,7 @@ from verifier_service.server import start_verifier
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 40
+FUSED_LAYERS = eagle3_layers(30)  # SmolLM2-135M's low, middle and high layers
 PROMPTS = {
     "repeat": "Repeat exactly: The quick brown fox jumps over the lazy dog. " * 2,
     "list": "List five fruits, one per line, numbered.",
@@ -76,7 +79,8 @@ def target() -> LoadedModel:
 @pytest.fixture(scope="module")
 def stack(target: LoadedModel, expected, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     texts = [(encode_prompt(target, text, chat=True), expected[name]) for name, text in PROMPTS.items()]
-    stack = Stack(target, memorised_head(target, texts, tmp_path_factory.mktemp("eagle-head")))
+    head = memorised_head(target, texts, tmp_path_factory.mktemp("eagle-head"), feature_layers=FUSED_LAYERS)
+    stack = Stack(target, head)
     yield stack
     stack.stop()
 

@@ -61,11 +61,11 @@ def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argpar
     parser.add_argument("--minutes", type=float, help="training time budget (default 10 when --steps is not given)")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size K")
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the head")
-    parser.add_argument(
+    parser.add_argument(  # fused by default: +7.5 points of held-out agreement at equal training time (README)
         "--features",
         choices=("final", "fused"),
-        default="final",
-        help="what the head reads: the target's final-norm rows (EAGLE-1) or a low, middle and high layer (EAGLE-3)",
+        default="fused",
+        help="what the head reads: a low, middle and high target layer (EAGLE-3) or the final-norm rows (EAGLE-1)",
     )
     parser.add_argument("--unroll-steps", type=int, default=3, help="training-time unrolled steps (1: none)")
     parser.add_argument("--feature-weight", type=float, default=0.2, help="weight of the feature regression loss")
