@@ -153,6 +153,11 @@ def ensure_head() -> None:
           f"{time.perf_counter() - started:.0f} s\n", flush=True)  # fmt: skip
 
 
+def first_router(up: dict) -> dict:
+    """The addresses of the first router ``specdec up`` reports (the demo starts one)."""
+    return up["routers"][0]
+
+
 def main() -> int:
     rows = load_prompts(PROMPTS, set(CATEGORIES))
     prompts = [next(row for row in rows if row["category"] == category) for category in CATEGORIES]
@@ -164,12 +169,12 @@ def main() -> int:
     failed = True
     try:
         up = json.loads(specdec("up", *UP_ARGS))
-        print(f"  ready in {time.perf_counter() - started:.0f} s: router gRPC {up['router']['grpc']}, "
-              f"HTTP {up['router']['http']}")  # fmt: skip
+        router = first_router(up)
+        print(f"  ready in {time.perf_counter() - started:.0f} s: router gRPC {router['grpc']}, HTTP {router['http']}")
         for worker in up["workers"]:
             print(f"  {worker['role']:<9} {worker['address']}")
         print(flush=True)
-        run_demo(up["router"], prompts)
+        run_demo(router, prompts)
         failed = False
     finally:
         print("\nspecdec down …", flush=True)

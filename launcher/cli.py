@@ -106,7 +106,7 @@ def up(args: argparse.Namespace, path: Path) -> dict:
         if path.exists():
             state = ClusterState.load(path)
             if state.status == "ready":
-                return {"routers": state.routers, "workers": state.workers}
+                return state.addresses()
             if state.status == "failed":
                 supervisor.wait(DOWN_TIMEOUT_S)
                 path.unlink(missing_ok=True)

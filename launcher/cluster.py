@@ -132,6 +132,10 @@ class ClusterState:
         scratch.write_text(json.dumps(asdict(self), indent=2) + "\n")
         scratch.replace(path)  # readers never see a half-written file
 
+    def addresses(self) -> dict[str, list[dict[str, str]]]:
+        """What ``specdec up`` prints once ready: ``{"routers": [...], "workers": [...]}``."""
+        return {"routers": self.routers, "workers": self.workers}
+
     @classmethod
     def load(cls, path: Path) -> ClusterState:
         if not path.exists():
