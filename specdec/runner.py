@@ -89,6 +89,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+def resolve_feature_layers(layers: Sequence[int] | None, num_layers: int) -> tuple[int, ...]:
+    """The feature layers :meth:`KVRunner.forward_features` reads: ``layers``, or the final norm's output alone
+    (``(num_layers,)``) for None; InvalidArgumentError naming ``feature_layers`` when one is outside ``[0, L]``."""
+    resolved = (num_layers,) if layers is None else tuple(int(layer) for layer in layers)
+    if any(not 0 <= layer <= num_layers for layer in resolved):
+        raise InvalidArgumentError("feature_layers", f"must be in [0, {num_layers}], got {list(resolved)}")
+    return resolved
+
+
 class KVRunner:
     """Per-sequence KV caches and packed forwards over ``model`` (its first ``num_layers`` layers)."""
 
@@ -198,9 +207,9 @@ class KVRunner:
         An EAGLE drafter (:mod:`specdec.drafters.eagle`) drafts from these; the logits are computed exactly as
         ``forward`` does.
         """
-        layers = (self.num_layers,) if layers is None else tuple(layers)
-        if not layers or any(not 0 <= layer <= self.num_layers for layer in layers):
-            raise InvalidArgumentError("feature_layers", f"must be in [0, {self.num_layers}], got {list(layers)}")
+        layers = resolve_feature_layers(layers, self.num_layers)
+        if not layers:
+            raise InvalidArgumentError("feature_layers", "must name at least one layer")
         return self._forward(items, all_logits=False, features=layers)
 
     @torch.inference_mode()

@@ -40,7 +40,7 @@ import torch
 from specdec.acceptance import SCHEMES, SampledRule, Verdict, verify_batched, verify_greedy
 from specdec.drafters.base import Proposal
 from specdec.errors import CapacityError, InvalidArgumentError, SpecdecError
-from specdec.runner import ForwardItem
+from specdec.runner import ForwardItem, resolve_feature_layers
 from specdec.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingParams,
@@ -262,15 +262,10 @@ class BatchVerifier:
             raise InvalidArgumentError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
         if top_logprobs and not logprobs:
             raise InvalidArgumentError("top_logprobs", "needs logprobs")
-        layers = (self.runner.num_layers,) if feature_layers is None else tuple(int(k) for k in feature_layers)
-        if features and not 1 <= len(layers) <= MAX_FEATURE_LAYERS:
-            raise InvalidArgumentError(
-                "feature_layers", f"must name 1 to {MAX_FEATURE_LAYERS} layers, got {len(layers)}"
-            )
-        if features and any(not 0 <= k <= self.runner.num_layers for k in layers):
-            raise InvalidArgumentError(
-                "feature_layers", f"must be in [0, {self.runner.num_layers}], got {list(layers)}"
-            )
+        count = 1 if feature_layers is None else len(feature_layers)  # bounded before anything is built from it
+        if features and not 1 <= count <= MAX_FEATURE_LAYERS:
+            raise InvalidArgumentError("feature_layers", f"must name 1 to {MAX_FEATURE_LAYERS} layers, got {count}")
+        layers = resolve_feature_layers(feature_layers, self.runner.num_layers) if features else ()
         if self.max_sequences is not None and len(self._sequences) >= self.max_sequences:
             raise CapacityError(f"{self.max_sequences} sequences are open; retry after some finish")
         self._sequences[sequence_id] = _Sequence(
@@ -282,7 +277,7 @@ class BatchVerifier:
             top_logprobs=top_logprobs,
             remaining=max_tokens,
             pending=[int(token) for token in prompt_ids],
-            feature_layers=layers if features else (),
+            feature_layers=layers,
         )
 
     def generator(self, sequence_id: str) -> torch.Generator:
