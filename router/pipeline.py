@@ -593,8 +593,7 @@ class Session:
         if self.drafter is not None and self._controller is not None:
             budget = self._auto_budget(budget)
         if self.drafter is None or budget < 1:
-            await self._flush_commit()
-            return None
+            return None  # the round tells the drafter the last verdict while the verifier works
         return await self._propose(budget)
 
     def _auto_budget(self, budget: int) -> int:

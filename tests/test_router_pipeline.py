@@ -20,6 +20,7 @@ from router.pipeline import Chunk, Commit, Drafted, Final, SequenceSpec, Session
 from router.requests import DraftShape, Plan
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
+from tests.controllers import CyclingController
 
 VOCAB = 50
 EOS = 49
@@ -546,4 +547,42 @@ def test_a_predrafted_rejection_outcome_is_verified_next(wrong_every: int) -> No
     check_stats(final, tokens, "pipelined")
     assert final.stats.pipeline_rejection_hits > 0
     assert drafter.log.count("propose") < final.stats.rounds - final.stats.pipeline_hits + 2
+    assert_clean(placement)
+
+
+def test_a_round_that_drafts_nothing_verifies_while_the_drafter_hears_the_last_verdict() -> None:
+    """``auto`` at γ = 0: the verdict's Commit travels while the verifier works, never before it. The drafter here
+    acknowledges the Commit of round n only once round n + 1's verification has started, so a round that waited for
+    the acknowledgement first would never verify."""
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    verify, commit = verifier.verify, drafter.commit
+    counts = {"verify": 0, "commit": 0}
+
+    async def counting_verify(*args, **kwargs) -> Verified:
+        counts["verify"] += 1
+        return await verify(*args, **kwargs)
+
+    async def commit_once_the_next_round_verifies(*args, **kwargs) -> None:
+        counts["commit"] += 1
+        round_after = counts["commit"] + 1
+        async with asyncio.timeout(5):
+            while counts["verify"] < round_after:
+                await asyncio.sleep(0.001)
+        await commit(*args, **kwargs)
+
+    verifier.verify = counting_verify  # type: ignore[method-assign]
+    drafter.commit = commit_once_the_next_round_verifies  # type: ignore[method-assign]
+    placement = FakePlacement([verifier], [drafter])
+    plan = make_plan("auto", max_tokens=6)  # six rounds, each at γ = 0
+    chunks: list[Chunk] = []
+
+    async def emit(chunk: Chunk) -> None:
+        chunks.append(chunk)
+
+    session = Session(plan, placement, emit, sequence_id="seq", controller=CyclingController((0,) * 6 + (1,)))
+    final = asyncio.run(session.run())
+    tokens = [token for chunk in chunks for token in chunk.token_ids]
+    assert tokens == reference(PROMPT, 6)[0]
+    assert final.stats.draft_tokens == 0 and counts["commit"] == final.stats.rounds - 1 == 5
+    assert not final.stats.drafter_fallback
     assert_clean(placement)
