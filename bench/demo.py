@@ -39,6 +39,7 @@ UP_ARGS = [
 ]  # fmt: skip
 CONFIGS = {  # name -> SDK options
     "speculation off": {"speculation": "off"},
+    "eagle, auto": {"speculation": "auto", "drafter": "eagle"},
     "eagle, sequential": {"speculation": "sequential", "drafter": "eagle"},
     "eagle, pipelined": {"speculation": "pipelined", "drafter": "eagle"},
     "ngram, pipelined": {"speculation": "pipelined", "drafter": "ngram"},
@@ -134,7 +135,9 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
         "over the client's end-to-end time (prefill included).\nThe early-exit drafter runs the target's first "
         "quarter of layers with its final norm and LM head (no trained exit head): on a 135M model it rarely "
         "guesses right,\nso it costs more than it saves here; what it shows is that every drafter gives the same "
-        "tokens as no speculation.\nThe eagle drafter is a one-layer head trained on the target's own outputs "
+        "tokens as no speculation.\n`auto`, the server's default, picks each round's draft length (0 included) from "
+        "the request's measured acceptance and the verifier's measured costs; sequential and pipelined draft 4.\n"
+        "The eagle drafter is a one-layer head trained on the target's own outputs "
         f"and features (the target's features travel to it with every verdict); the full head: `{FULL_HEAD_COMMAND}`."
     )
 

@@ -5,8 +5,9 @@ first ``--num-prompts`` taking categories in turn) through the chat template; fl
 one uncounted warm-up request per configuration, configurations interleaved prompt by prompt (drifting machine
 load hits all alike). Sections (``--sections``, default all three; ``budgets`` needs ``--budget-heads``):
 
-* ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and one tree (depth 4, width 2,
-  8 nodes) of the head: acceptance rate, acc@i, mean accepted length, draft and target-forward cost;
+* ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and 8 and two trees (depth 3,
+  width 2, 4 nodes; depth 4, width 2, 8 nodes: each verifies as many positions as chain γ=4 / γ=8) of the head:
+  acceptance rate, acc@i, mean accepted length, draft and target-forward cost;
 * ``speed``: greedy: target-only, ngram γ=4, Hugging Face prompt lookup γ=4 and every eagle shape; then
   target-only vs eagle γ=4 at temperature 0.7;
 * ``budgets``: each head of ``--budget-heads`` (e.g. ``specdec distill --snapshot-minutes`` copies) at γ = 4,
@@ -57,8 +58,9 @@ SECTIONS = ("acceptance", "speed", "budgets")
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.7)
 SAMPLINGS = {"greedy": GREEDY, "T=0.7": SAMPLED}
-SHAPES = {
-    **{f"chain γ={gamma}": DraftConfig(num_draft_tokens=gamma) for gamma in range(2, 7)},
+SHAPES = {  # each tree beside the chain that verifies as many positions (chain γ=4 / tree b4, chain γ=8 / tree b8)
+    **{f"chain γ={gamma}": DraftConfig(num_draft_tokens=gamma) for gamma in (2, 3, 4, 5, 6, 8)},
+    "tree d3 w2 b4": DraftConfig(num_draft_tokens=3, tree_width=2, tree_budget=4),
     "tree d4 w2 b8": DraftConfig(num_draft_tokens=4, tree_width=2, tree_budget=8),
 }
 BUDGET_SHAPE = "chain γ=4"
