@@ -33,8 +33,10 @@ The verdict selects one of them or none (:mod:`router.predraft`, which also give
 
 Every emitted token comes from the verifier's rule, so pipelining never changes the output distribution.
 
-**Auto**: sequential rounds whose draft length a router-wide :class:`~specdec.adaptive.SpeculationController`
-chooses every round (0: a plain target step, the drafter kept in step by its Commit), up to the request's shape. Each
+**Auto**: rounds whose draft length a router-wide :class:`~specdec.adaptive.SpeculationController` chooses every
+round (0: a plain target step, the drafter kept in step by a Commit that travels while the verifier works), up to
+the request's shape, pipelined as above whenever the controller drafts (the pre-draft's length is its choice for
+the next round, made when the pre-draft starts; 0 pre-drafts nothing and draws the bonus at once). Each
 session decides for itself, with the rest of its verifier's last forward (positions, sequences: the verdict reports
 them) as the load it shares the forward with; every taken round teaches the controller the request's acceptance and
 the costs (forward by positions, draft per level, the rest).
@@ -352,6 +354,7 @@ class Session:
         self._tracker = self._controller.tracker() if self._controller is not None else None
         self._last_forward: tuple[int, int] = (0, 1)  # (positions, sequences) of the last verdict's forward
         self._last_size = 0  # nodes this request put into it
+        self._planned_budget: int | None = None  # auto: the next round's draft budget, chosen a round early
 
     @property
     def sequence_id(self) -> str:
@@ -590,11 +593,24 @@ class Session:
             drafted, self._predrafted = self._predrafted, None
             return drafted
         budget = self.remaining - 1  # the round's last token is always the target's
+        planned, self._planned_budget = self._planned_budget, None
         if self.drafter is not None and self._controller is not None:
-            budget = self._auto_budget(budget)
+            budget = self._auto_budget(budget) if planned is None else min(planned, budget)
         if self.drafter is None or budget < 1:
             return None  # the round tells the drafter the last verdict while the verifier works
         return await self._propose(budget)
+
+    def _predraft_budget(self, size: int) -> int:
+        """Nodes to pre-draft while a proposal of ``size`` nodes is verified: whatever the request has room for
+        after it, or under ``auto`` the controller's choice for the next round (0: none, nor a deferred bonus).
+        ``auto`` pipelines whenever it drafts: a hit hides the next round's drafting behind this verification, and
+        the short chains the controller picks where acceptance is modest are the ones most often fully accepted."""
+        budget = self.remaining - size - 1
+        if budget >= 1 and self._controller is not None:
+            budget = self._auto_budget(budget)
+            if budget < 1:
+                self._planned_budget = 0  # kept for the next round, which then verifies the bonus alone
+        return budget
 
     def _auto_budget(self, budget: int) -> int:
         """The controller's node budget this round: a chain of its chosen length, or the whole tree or nothing; the
@@ -666,20 +682,21 @@ class Session:
         drafted = await self._next_proposal()
         size = len(drafted.tree) if drafted else 0
         pipelined = (
-            self.plan.mode == "pipelined"
+            self.plan.mode in ("pipelined", "auto")
             and self.drafter is not None
             and drafted is not None
             and size > 0
             and bool(drafted.assumed_path)
-            and self.remaining - size - 1 >= 1  # room for the next proposal; else draw the bonus now
         )
+        predraft_budget = self._predraft_budget(size) if pipelined else 0
+        pipelined = predraft_budget >= 1  # room for a next proposal the controller wants; else draw the bonus now
         verifier, sequence_id = self.verifier, self.sequence_id
         assert verifier is not None, "the verifier is opened before any round"
         stop_features = self._verifier_features and self.drafter is None  # nobody left to relay them to
         verify = self._spawn(
             verifier.verify(sequence_id, drafted if size else None, defer_bonus=pipelined, stop_features=stop_features)
         )
-        predraft = self._start_predraft(self.remaining - size - 1) if pipelined else None
+        predraft = self._start_predraft(predraft_budget) if pipelined else None
         flush = None
         if predraft is None and self.drafter is not None and self._pending_commit is not None:
             flush = self._spawn(self._flush_commit())

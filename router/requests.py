@@ -90,7 +90,7 @@ class DraftShape:
 class Plan:
     """A validated request, ready for the round loop.
 
-    ``mode`` is the speculation asked for (or the server's default; ``"auto"``: sequential rounds whose draft
+    ``mode`` is the speculation asked for (or the server's default; ``"auto"``: pipelined rounds whose draft
     length adapts, see :mod:`router.pipeline`); trees pipeline like chains.
     ``drafter_kind`` is ``None`` for any kind. ``eos_token_ids`` only tells "stop" from "length" when EOS is
     the last token the budget allows; the verifier decides when generation ends.

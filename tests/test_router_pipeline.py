@@ -330,7 +330,7 @@ def check_stats(final: Final, tokens: list[int], mode: str, finish_reason: str =
     if finish_reason == "length":  # every round emits its accepted tokens plus one, except a deferred bonus
         deferred = stats.pipeline_hits - stats.pipeline_rejection_hits
         assert len(tokens) == stats.accepted_tokens + stats.rounds - deferred
-    if mode != "pipelined":
+    if mode not in ("pipelined", "auto"):
         assert stats.pipeline_hits == stats.pipeline_misses == 0
     if mode == "off":
         assert stats.draft_tokens == 0 and stats.rounds == len(tokens)
@@ -585,4 +585,39 @@ def test_a_round_that_drafts_nothing_verifies_while_the_drafter_hears_the_last_v
     assert tokens == reference(PROMPT, 6)[0]
     assert final.stats.draft_tokens == 0 and counts["commit"] == final.stats.rounds - 1 == 5
     assert not final.stats.drafter_fallback
+    assert_clean(placement)
+
+
+@pytest.mark.parametrize("wrong_every", [0, 5])
+def test_auto_pipelines_the_draft_length_the_controller_picks_next(wrong_every: int) -> None:
+    """``auto`` pre-drafts while it verifies, with the length the controller chooses for the next round; a
+    choice of 0 pre-drafts nothing (the bonus is drawn at once) and the next round verifies the pending token."""
+    drafter = FakeDrafter(wrong_every=wrong_every)
+    placement = FakePlacement([FakeVerifier()], [drafter])
+    plan = make_plan("auto", max_tokens=30)
+    chunks: list[Chunk] = []
+    proposals: list[int] = []
+
+    class Sizes:
+        def on_proposal(self, drafted: Drafted) -> None:
+            proposals.append(len(drafted.tree))
+
+        def on_round(self, record: object) -> None:
+            pass
+
+    async def emit(chunk: Chunk) -> None:
+        chunks.append(chunk)
+
+    controller = CyclingController((2, 0, 3, 1))
+    session = Session(plan, placement, emit, sequence_id="seq", controller=controller, observer=Sizes())
+    final = asyncio.run(session.run())
+    tokens = [token for chunk in chunks for token in chunk.token_ids]
+    assert tokens == reference(PROMPT, 30)[0]
+    check_stats(final, tokens, "auto")
+    stats = final.stats
+    assert (
+        stats.pipeline_hits > 0 and drafter.log.count("propose-assume") == stats.pipeline_hits + stats.pipeline_misses
+    )
+    assert (stats.pipeline_misses > 0) == bool(wrong_every)
+    assert set(proposals) <= {1, 2, 3} and stats.rounds_per_draft_size[0] > 0  # some rounds drafted nothing
     assert_clean(placement)
