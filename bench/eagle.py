@@ -8,7 +8,8 @@ load hits all alike). Sections (``--sections``, default all three; ``budgets`` n
 * ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and 8 and two trees (depth 3,
   width 2, 4 nodes; depth 4, width 2, 8 nodes: each verifies as many positions as chain γ=4 / γ=8) of the head:
   acceptance rate, acc@i, mean accepted length, draft and target-forward cost;
-* ``speed``: greedy: target-only, ngram γ=4, Hugging Face prompt lookup γ=4 and every eagle shape; then
+* ``speed``: greedy: target-only, ngram γ=4, Hugging Face prompt lookup γ=4, every eagle shape and γ=4 with the
+  head's weights in bfloat16 (the target stays float32); then
   target-only vs eagle γ=4 at temperature 0.7;
 * ``budgets``: each head of ``--budget-heads`` (e.g. ``specdec distill --snapshot-minutes`` copies) at γ = 4,
   greedy: training budget -> held-out mean accepted length.
@@ -283,7 +284,8 @@ def _speed_rows(results: list[ConfigResult], sampling: str) -> list[dict[str, An
 
 
 def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
-    """Greedy: target-only, ngram, HF prompt lookup and every eagle shape; then target-only vs eagle γ=4 at T=0.7."""
+    """Greedy: target-only, ngram, HF prompt lookup, every eagle shape and γ=4 with a bfloat16 head; then target-only
+    vs eagle γ=4 at T=0.7."""
     max_tokens = settings.max_tokens
     drafters = eagle_drafters(target, settings.draft_model)
 
@@ -291,11 +293,15 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
         return Engine(KVRunner(target.model), target.eos_token_ids, drafter)
 
     ngram = build_drafter("ngram", target, DraftConfig(num_draft_tokens=4))
+    bfloat16_head = build_drafter(
+        "eagle", target, SHAPES[BUDGET_SHAPE], draft_model=settings.draft_model, head_dtype=torch.bfloat16
+    )
     greedy: dict[str, Generate] = {
         "target-only": engine_generator(engine(None), max_tokens),
         "ngram γ=4": engine_generator(engine(ngram), max_tokens),
         "hf-prompt-lookup γ=4": hf_generator(target, max_tokens, prompt_lookup_num_tokens=4),
         **{f"eagle {shape}": engine_generator(engine(drafter), max_tokens) for shape, drafter in drafters.items()},
+        f"eagle {BUDGET_SHAPE}, bfloat16 head": engine_generator(engine(bfloat16_head), max_tokens),
     }
     token_ids = [prompt.token_ids for prompt in prompts]
     rows = _speed_rows(compare(greedy, token_ids), "greedy")

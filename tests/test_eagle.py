@@ -304,22 +304,30 @@ def test_training_raises_held_out_acceptance(target: LoadedModel, feature_layers
 
 
 @pytest.mark.parametrize(
-    "config",
-    [DraftConfig(num_draft_tokens=3, draft_top_k=0), DraftConfig(num_draft_tokens=2, tree_width=2, draft_top_k=0)],
-    ids=["chain", "tree"],
+    ("config", "dtype"),
+    [
+        (DraftConfig(num_draft_tokens=3, draft_top_k=0), torch.float32),
+        (DraftConfig(num_draft_tokens=2, tree_width=2, draft_top_k=0), torch.float32),
+        (DraftConfig(num_draft_tokens=3, draft_top_k=0), torch.bfloat16),
+    ],
+    ids=["chain", "tree", "chain-bfloat16-head"],
 )
-def test_colocated_eagle_keeps_the_target_law(target: LoadedModel, config: DraftConfig) -> None:
+def test_colocated_eagle_keeps_the_target_law(
+    target: LoadedModel, config: DraftConfig, dtype: torch.dtype, tmp_path: Path
+) -> None:
     """Seeded chi-square of the law of the 2nd and 3rd emitted tokens with an eagle drafter against target-only
     sampling. The first round of a sequence drafts nothing (no features yet), so these are the first tokens an
     eagle proposal decides (a chain of 3, or a tree of width 2, depth 2); 4000 draws each, significance 1e-3.
+    A head loaded in bfloat16 drafts from a float32 target's rows: its q is whatever it computes, still exact.
     """
     from scipy.stats import chi2_contingency
 
-    head = random_head(target, seed=2)
+    save_head(random_head(target, seed=2), tmp_path, HeadInfo(verifier=target.name, num_draft_tokens=3))
+    eagle = EagleDrafter.load(tmp_path, config, hidden_size=32, vocab_size=VOCAB, dtype=dtype)
     runner = KVRunner(target.model)
     prompt = [1, 5, 3]
     counts = []
-    for drafter in (None, EagleDrafter(head, config)):
+    for drafter in (None, eagle):
         engine = Engine(runner, frozenset(), drafter)
         requests = [
             GenerationRequest(prompt, SAMPLED, max_tokens=6, seed=seed, ignore_eos=True) for seed in range(4000)
@@ -332,3 +340,25 @@ def test_colocated_eagle_keeps_the_target_law(target: LoadedModel, config: Draft
     pooled = [[row[i] for i in kept] + [sum(row) - sum(row[i] for i in kept)] for row in table]
     _, p_value, _, _ = chi2_contingency(pooled)
     assert p_value > 1e-3
+
+
+def test_a_bfloat16_head_keeps_float32_rotary_frequencies_and_drafts_like_the_float32_one(
+    target: LoadedModel, tmp_path: Path
+) -> None:
+    """Only the weights are cast: RoPE frequencies rounded to bfloat16 would move every position's rotation."""
+    save_head(random_head(target, seed=3, feature_layers=FUSED), tmp_path, HeadInfo(target.name, 3))
+    config = DraftConfig(num_draft_tokens=3)
+    drafters = [
+        EagleDrafter.load(tmp_path, config, hidden_size=32, vocab_size=VOCAB, dtype=dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    full, half = (drafter.head for drafter in drafters)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert half.rotary.inv_freq.dtype == torch.float32 and torch.equal(half.rotary.inv_freq, full.rotary.inv_freq)
+    features = true_features(target, TEXT, FUSED)
+    trees = []
+    for drafter in drafters:
+        handle = drafter.open(TEXT[:9], GREEDY, make_generator(5))
+        drafter.add_features(handle, 0, features[:8])
+        trees.append(drafter.propose([handle], [3])[0].tree)
+    assert len(trees[1]) == 3 and trees[1].tokens[0] == trees[0].tokens[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from specdec.cache import default_head_dir
 from specdec.drafters.base import DraftConfig, Drafter, Proposal, SequenceDrafter
 from specdec.drafters.eagle import EagleDrafter
@@ -48,11 +50,13 @@ def build_drafter(
     *,
     draft_model: str | LoadedModel | None = None,
     early_exit_layers: int | None = None,
+    head_dtype: torch.dtype | None = None,
 ) -> Drafter | None:
     """The drafter of ``kind`` for ``target`` (``None`` for ``kind == "none"``).
 
     ``eagle`` loads the head in ``draft_model`` (a directory), or with none the head cached for the target
-    (:func:`~specdec.cache.default_head_dir`, made by ``specdec distill``).
+    (:func:`~specdec.cache.default_head_dir`, made by ``specdec distill``), on the target's device in
+    ``head_dtype`` (None: the target's dtype).
     """
     if kind == "none":
         return None
@@ -80,5 +84,12 @@ def build_drafter(
                 f"make one with `specdec distill --target {target.name}` or name one with --draft-model DIR"
             )
         config_hidden = int(target.model.config.hidden_size)
-        return EagleDrafter.load(directory, config, hidden_size=config_hidden, vocab_size=target.vocab_size)
+        return EagleDrafter.load(
+            directory,
+            config,
+            hidden_size=config_hidden,
+            vocab_size=target.vocab_size,
+            dtype=head_dtype or target.model.dtype,
+            device=target.model.device,
+        )
     raise InvalidArgumentError("drafter", f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")

@@ -117,11 +117,28 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         self.max_seq_len = int(head.layer_config.max_position_embeddings)
         self._kv_heads = int(head.layer_config.num_key_value_heads)  # the head is never sharded
         self._head_dim = head.layers[0].self_attn.head_dim
+        weight = head.fusion_fc.weight
+        self._tensors = {"dtype": weight.dtype, "device": weight.device}  # of every row, KV and prediction held
+        self._draft_ids = head.draft_to_target.cpu()  # q rows are built on the host (grow_level)
 
     @classmethod
-    def load(cls, directory: Path, config: DraftConfig, *, hidden_size: int, vocab_size: int) -> EagleDrafter:
-        """The head stored in ``directory`` (checked against the target's sizes)."""
+    def load(
+        cls,
+        directory: Path,
+        config: DraftConfig,
+        *,
+        hidden_size: int,
+        vocab_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> EagleDrafter:
+        """The head stored in ``directory`` (checked against the target's sizes), its weights in ``dtype`` on
+        ``device``. bfloat16 halves the bytes a draft step reads (on a CPU the head's LM head is memory-bound);
+        the rotary frequencies stay float32, and q is always computed in float32 from the head's logits."""
         head, _ = load_head(directory, hidden_size=hidden_size, vocab_size=vocab_size)
+        head.to(device)
+        for parameter in head.parameters():
+            parameter.data = parameter.data.to(dtype)
         return cls(head, config)
 
     @property
@@ -148,12 +165,12 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
                 f"{len(state.text)} tokens by more than one round",
             )
         if end > state.features.shape[0]:
-            grown = torch.empty(max(end, 2 * state.features.shape[0], 64), self.head.hidden_size)
+            grown = torch.empty(max(end, 2 * state.features.shape[0], 64), self.head.hidden_size, **self._tensors)
             if state.num_features:
                 grown[: state.num_features] = state.features[: state.num_features]
             state.features = grown
         with torch.inference_mode():
-            state.features[start:end] = self.head.project(rows.float())
+            state.features[start:end] = self.head.project(rows.to(**self._tensors))
         if start < state.num_features and state.committed > start:  # re-sent rows: head KV read the old ones
             state.committed = start
         state.num_features = max(state.num_features, end)
@@ -219,7 +236,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
             tokens.append(state.text[position])
             features.append(feature)
         true_rows = max(0, min(length - 1, state.num_features) - state.committed)  # true features: a prefix
-        empty = [torch.empty(self._kv_heads, 0, self._head_dim) for _ in self.head.layers]
+        empty = [torch.empty(self._kv_heads, 0, self._head_dim, **self._tensors) for _ in self.head.layers]
         return _Round(TreeDraft(state, budget, levels), tokens, features, true_rows, list(empty), list(empty))
 
     def _feature(self, state: _Sequence, position: int) -> torch.Tensor | None:
@@ -233,7 +250,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         for plan in rounds:
             state, size = plan.draft.sequence, len(plan.pending_tokens)
             mask = attention_mask(state.committed, size, TokenTree.empty())
-            slots.append(_Slot(plan, len(tokens), size, mask))
+            slots.append(_Slot(plan, len(tokens), size, mask.to(self._tensors["device"])))
             tokens += plan.pending_tokens
             features += plan.pending_features
             positions += range(state.committed + 1, state.committed + 1 + size)
@@ -251,7 +268,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
             forwarded = TokenTree(tuple(draft.tokens), tuple(draft.parents))  # every node so far, BFS order
             full = attention_mask(state.committed, len(plan.pending_tokens), forwarded)
             mask = full[[len(plan.pending_tokens) + node for node in frontier]]
-            slots.append(_Slot(plan, len(tokens), len(frontier), mask))
+            slots.append(_Slot(plan, len(tokens), len(frontier), mask.to(self._tensors["device"])))
             for node in frontier:
                 parent = draft.parents[node]
                 tokens.append(draft.tokens[node])
@@ -270,18 +287,22 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         self, slots: list[_Slot], tokens: list[int], features: list[torch.Tensor], positions: list[int]
     ) -> torch.Tensor:
         """Packed head forward; the rounds' scratch gains the new K/V. Returns the predicted features [rows, hidden]."""
+        device = self._tensors["device"]
         predicted = self.head.forward_rows(
-            torch.tensor([tokens]), torch.stack(features)[None], torch.tensor([positions]), _PackedAttention(slots)
+            torch.tensor([tokens], device=device),
+            torch.stack(features)[None],
+            torch.tensor([positions], device=device),
+            _PackedAttention(slots),
         )
         return predicted[0]
 
     def _grow(self, plan: _Round, predictions: list[torch.Tensor], levels_left: int) -> None:
         """Children of the frontier from the frontier's predictions (rows in frontier order)."""
         draft = plan.draft
-        logits = self.head.logits(torch.stack(predictions)).float()  # [F, K]
+        logits = self.head.logits(torch.stack(predictions)).float().cpu()  # [F, K]
         full = torch.full((1 + len(draft.tokens), self.vocab_size), float("-inf"))
         rows = [node + 1 for node in draft.frontier]  # the root is -1: row 0
-        full[torch.tensor(rows)[:, None], self.head.draft_to_target[None, :]] = logits  # q = 0 off the draft vocab
+        full[torch.tensor(rows)[:, None], self._draft_ids[None, :]] = logits  # q = 0 off the draft vocab
         grow_level(draft, full, levels_left)
 
     def _commit_true_rows(self, state: _Sequence, plan: _Round) -> None:
@@ -307,7 +328,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
             raise InvalidArgumentError(
                 "prompt", f"{len(prompt)} tokens exceed the head's context of {self.max_seq_len}"
             )
-        empty = [torch.empty(self._kv_heads, 0, self._head_dim) for _ in self.head.layers]
+        empty = [torch.empty(self._kv_heads, 0, self._head_dim, **self._tensors) for _ in self.head.layers]
         return _Sequence(
             text=prompt, config=config, params=params, generator=generator, keys=list(empty), values=list(empty)
         )
