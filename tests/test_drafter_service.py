@@ -546,3 +546,33 @@ def test_a_commit_cancels_the_predrafts_it_names_queued_running_or_late(scripted
     proposal, outcomes, _ = scheduler.propose("a", 4, True, propose_id=3).result(TIMEOUT_S)
     assert len(proposal.tree) == 1 and outcomes == []
     assert scheduler.status().result(TIMEOUT_S).cancelled == 3
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle"])
+def test_a_drafter_that_runs_no_target_weights_never_loads_them(
+    kind: str, target: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ngram and eagle drafters read the target's config (its sizes) only: a drafter machine serving them for a
+    70B target must not hold its weights. Loading any model's weights fails here; the drafter still drafts."""
+    from specdec.drafters import EagleDrafter, NgramDrafter
+    from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+
+    target.model.save_pretrained(tmp_path / "target")
+    head = EagleHead.from_target(target.model, torch.arange(VOCAB))
+    save_head(head, tmp_path / "head", HeadInfo(verifier=str(tmp_path / "target"), num_draft_tokens=3))
+
+    def no_weights(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target's weights were loaded")
+
+    monkeypatch.setattr("specdec.models.AutoModelForCausalLM.from_pretrained", no_weights)
+    config = DrafterConfig(
+        kind=kind, target=str(tmp_path / "target"), draft_model=str(tmp_path / "head") if kind == "eagle" else None
+    )
+    drafter = build_core_drafter(config)
+    assert isinstance(drafter, EagleDrafter if kind == "eagle" else NgramDrafter)
+    handle = drafter.open(PROMPT, GREEDY, make_generator(0))
+    if kind == "eagle":
+        assert drafter.feature_width == 32
+        drafter.add_features(handle, 0, torch.randn(len(PROMPT) - 1, 32))
+    [proposal] = drafter.propose([handle], [3])
+    assert len(proposal.tree) == 3

@@ -17,14 +17,16 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import InvalidArgumentError, ModelNotFoundError
-from specdec.models import LoadedModel, check_same_vocabulary, load_model
+from specdec.models import LoadedModel, ModelShape, check_same_vocabulary, load_model
 from specdec.runner import KVRunner
 
 DrafterKind = Literal["none", "ngram", "model", "early-exit", "eagle"]
 DRAFTER_KINDS: tuple[str, ...] = ("none", "ngram", "model", "early-exit", "eagle")
+SHAPE_ONLY_KINDS: tuple[str, ...] = ("none", "ngram", "eagle")  # run none of the target's weights
 
 __all__ = [
     "DRAFTER_KINDS",
+    "SHAPE_ONLY_KINDS",
     "DraftConfig",
     "Drafter",
     "DrafterKind",
@@ -34,6 +36,7 @@ __all__ = [
     "Proposal",
     "SequenceDrafter",
     "build_drafter",
+    "build_shape_drafter",
     "default_early_exit_layers",
 ]
 
@@ -58,10 +61,17 @@ def build_drafter(
     (:func:`~specdec.cache.default_head_dir`, made by ``specdec distill``), on the target's device in
     ``head_dtype`` (None: the target's dtype).
     """
-    if kind == "none":
-        return None
-    if kind == "ngram":
-        return NgramDrafter(config, vocab_size=target.vocab_size)
+    if kind in SHAPE_ONLY_KINDS:
+        if kind == "eagle" and isinstance(draft_model, LoadedModel):
+            raise InvalidArgumentError("draft_model", "the eagle drafter needs a head directory, not a model")
+        return build_shape_drafter(
+            kind,
+            ModelShape.of(target),
+            config,
+            draft_model=draft_model if isinstance(draft_model, str) else None,
+            dtype=head_dtype or target.model.dtype,
+            device=target.model.device,
+        )
     if kind == "model":
         if draft_model is None:
             raise InvalidArgumentError("draft_model", "the model drafter needs a draft model")
@@ -74,22 +84,32 @@ def build_drafter(
         if not 1 <= layers < total:
             raise InvalidArgumentError("early_exit_layers", f"must be in [1, {total}), got {layers}")
         return ModelDrafter(KVRunner(target.model, num_layers=layers), config)
-    if kind == "eagle":
-        if isinstance(draft_model, LoadedModel):
-            raise InvalidArgumentError("draft_model", "the eagle drafter needs a head directory, not a model")
-        directory = Path(draft_model).expanduser() if draft_model else default_head_dir(target.name)
-        if draft_model is None and not directory.is_dir():
-            raise ModelNotFoundError(
-                f"draft_model: no EAGLE head cached for {target.name!r} in {directory}; "
-                f"make one with `specdec distill --target {target.name}` or name one with --draft-model DIR"
-            )
-        config_hidden = int(target.model.config.hidden_size)
-        return EagleDrafter.load(
-            directory,
-            config,
-            hidden_size=config_hidden,
-            vocab_size=target.vocab_size,
-            dtype=head_dtype or target.model.dtype,
-            device=target.model.device,
-        )
     raise InvalidArgumentError("drafter", f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+
+
+def build_shape_drafter(
+    kind: str,
+    target: ModelShape,
+    config: DraftConfig,
+    *,
+    draft_model: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Drafter | None:
+    """A drafter of one of :data:`SHAPE_ONLY_KINDS`, which run none of the target's weights, from the target's
+    sizes alone (:func:`~specdec.models.load_shape`); ``eagle``: its head in ``dtype`` on ``device``."""
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramDrafter(config, vocab_size=target.vocab_size)
+    if kind != "eagle":
+        raise InvalidArgumentError("drafter", f"{kind!r} runs the target's weights; use build_drafter")
+    directory = Path(draft_model).expanduser() if draft_model else default_head_dir(target.name)
+    if draft_model is None and not directory.is_dir():
+        raise ModelNotFoundError(
+            f"draft_model: no EAGLE head cached for {target.name!r} in {directory}; "
+            f"make one with `specdec distill --target {target.name}` or name one with --draft-model DIR"
+        )
+    return EagleDrafter.load(
+        directory, config, hidden_size=target.hidden_size, vocab_size=target.vocab_size, dtype=dtype, device=device
+    )
