@@ -36,6 +36,7 @@ UP_ARGS = [
     "--num-cpus", "2",
     "--verifier-arg=--torch-threads=1",
     "--drafter-arg=--torch-threads=1",
+    "--drafter-arg=--dtype=bfloat16",  # the drafters' own weights: ~15-20 % faster drafting here, q still exact
 ]  # fmt: skip
 CONFIGS = {  # name -> SDK options
     "speculation off": {"speculation": "off"},
