@@ -26,7 +26,7 @@ from specdec.drafters.eagle_head import CONFIG_FILE
 TARGET = "smollm2-135m"
 MAX_TOKENS = 64
 CATEGORIES = ("code", "rewrite", "chat")
-FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --data-minutes 60 --minutes 55"
+FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --data-minutes 60 --minutes 110"
 DEMO_HEAD_ARGS = ["--target", TARGET, "--data-minutes", "2.5", "--minutes", "2.5", "--held-out-prompts", "16"]
 UP_ARGS = [
     "--target", TARGET,
@@ -144,7 +144,8 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
 
 
 def ensure_head() -> None:
-    """Reuse the cached head for the target, or train a small one now (the full one takes about two hours)."""
+    """Reuse the cached head for the target, or train a small one now (the full one takes about three hours: one
+    of data, two of training)."""
     head = default_head_dir(TARGET)
     if (head / CONFIG_FILE).is_file():
         print(f"EAGLE head: cached in {head}\n", flush=True)

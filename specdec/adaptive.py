@@ -18,6 +18,11 @@ by less is not taken. The costs are wall-clock measurements, noisy on a shared m
 about as fast as the target (an EAGLE head on a CPU) would otherwise flip between drafting and not on the noise,
 paying the worse configuration half the time; where speculation pays (1.5-3× on a GPU) the margin costs nothing.
 
+A request that has not drafted for ``probe_every`` rounds (16 by default) drafts one level anyway: its acceptance
+estimate moves only on evidence, and so does the population's, which every new request starts from. Without the
+probe a few early rejections (a short greeting, say) would keep the router from ever drafting again; with it,
+speculation that does not pay costs one drafted token per 16 rounds.
+
 The choice is a control decision only: whatever proposal goes out, the verifier's acceptance rule keeps the output
 distribution exactly the target's, so no choice here can change what is sampled.
 """
@@ -129,6 +134,7 @@ class AcceptanceTracker:
         self._decay = decay
         self._tried = [0.0] * len(self.prior)
         self._accepted = [0.0] * len(self.prior)
+        self.idle_rounds = 0  # rounds since the request last drafted
 
     @property
     def max_length(self) -> int:
@@ -190,10 +196,17 @@ class SpeculationController:
     """
 
     def __init__(
-        self, max_length: int, *, prior_rate: float = 0.5, population_decay: float = 0.98, min_gain: float = 0.05
+        self,
+        max_length: int,
+        *,
+        prior_rate: float = 0.5,
+        population_decay: float = 0.98,
+        min_gain: float = 0.05,
+        probe_every: int = 16,
     ) -> None:
         self.max_length = max_length
         self.min_gain = min_gain  # how much faster than plain target steps speculation must be predicted to be
+        self.probe_every = probe_every  # a request idle this many rounds drafts one level to measure again
         self.cost = RoundCost()
         self.population = AcceptanceTracker([prior_rate] * max_length, decay=population_decay)
         self.tokens_per_round = MovingAverage(initial=1.0)  # committed per sequence per round, all requests
@@ -207,7 +220,9 @@ class SpeculationController:
         self.tokens_per_round.add(accepted + 1)
         if proposed == 0:
             tracker.fade()
+            tracker.idle_rounds += 1
             return
+        tracker.idle_rounds = 0
         tracker.observe(proposed, accepted)
         self.population.observe(proposed, accepted)
 
@@ -266,4 +281,7 @@ class SpeculationController:
         lengths = [0] * len(candidates)
         for _, _, index, _, level in increments[:best_prefix]:
             lengths[index] = max(lengths[index], level)
+        for index, candidate in enumerate(candidates):  # a probe: the estimate of a request that stopped drafting
+            if not lengths[index] and candidate.max_length and candidate.tracker.idle_rounds >= self.probe_every:
+                lengths[index] = 1  # (and the population prior new requests start from) can only move on evidence
         return lengths

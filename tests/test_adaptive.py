@@ -130,3 +130,37 @@ def test_learns_acceptance_and_cost_from_simulated_rounds(rate: float, best: int
         chosen.append(length)
     settled = chosen[-100:]
     assert sum(abs(length - best) <= 1 for length in settled) >= 90
+
+
+def test_a_bad_start_does_not_stop_speculation_for_good() -> None:
+    """The router's case on this CPU: forward 57 ms + 5 ms per extra position, 7 ms per draft level, 4 ms per round
+    besides. A first request that accepts nothing drags the population prior down, so the next request's estimate
+    starts so low that no draft is predicted to pay; probing (one level after ``probe_every`` idle rounds) finds that
+    this request accepts at 0.85, and the controller settles near the best γ (5: E(γ)/T(γ) is 16.4, 34.0, 34.3, 34.1
+    tokens/s at γ = 0, 4, 5, 6), as it would from a fair start."""
+    rng = random.Random(7)
+    controller = controller_with(lambda n: 57 + 5 * (n - 1), draft_level_ms=7.0, overhead_ms=4.0)
+    first = controller.tracker()
+    for _ in range(10):
+        [length] = controller.choose([Candidate(first, 8)])
+        controller.observe_verdict(first, length, 0)
+    tracker = controller.tracker()
+    assert controller.choose([Candidate(tracker, 8)]) == [0]
+    chosen = []
+    for _ in range(300):
+        [length] = controller.choose([Candidate(tracker, 8)])
+        accepted = next((i for i in range(length) if rng.random() > 0.85), length)
+        controller.observe_verdict(tracker, length, accepted)
+        chosen.append(length)
+    assert sum(abs(length - 5) <= 1 for length in chosen[-100:]) >= 80
+
+
+def test_an_idle_request_probes_one_level() -> None:
+    controller = controller_with(lambda n: 10.0 * n, max_length=4)  # every position costs a forward: never pays
+    tracker = fixed_tracker(0.9, 4)
+    lengths = []
+    for _ in range(40):
+        [length] = controller.choose([Candidate(tracker, 4)])
+        controller.observe_verdict(tracker, length, 0)
+        lengths.append(length)
+    assert lengths == ([0] * 16 + [1]) * 2 + [0] * 6
