@@ -199,10 +199,10 @@ class KVRunner:
         at every pending token and tree node, one ``hidden``-wide block per entry of ``layers``:
 
         - ``num_layers`` (the default, alone): the final norm's output, the input of the LM head (EAGLE-1);
-        - ``k < num_layers``: the output of decoder layer ``k``, RMS-normalised without a weight (EAGLE-3 fuses
-          a low, a middle and a high layer). The normalisation is ours: raw residual streams carry massive
-          activations (RMS ~38, single values ~4 400 on SmolLM2's last layer) that neither half-precision wire
-          rows nor a small head's projection handle well; every row is scaled alone, so nothing is lost.
+        - ``k < num_layers``: the raw output of decoder layer ``k`` (Hugging Face's ``hidden_states[k + 1]``,
+          vLLM's auxiliary hidden state ``k + 1``); EAGLE-3 fuses a low, a middle and a high layer. Raw residual
+          streams carry massive activations (RMS ~38, single values ~4 400 on SmolLM2's last layer): well inside
+          half precision's range, and a head norms each layer's rows before it mixes them.
 
         An EAGLE drafter (:mod:`specdec.drafters.eagle`) drafts from these; the logits are computed exactly as
         ``forward`` does.
@@ -227,7 +227,7 @@ class KVRunner:
             hidden = hidden + self._attention(index, layer.attn, _rms_norm(hidden, layer.input_norm), cos, sin, slots)
             hidden = hidden + layer.mlp(_rms_norm(hidden, layer.post_norm))
             if index in features:
-                captured[index] = F.rms_norm(hidden, hidden.shape[-1:]).float()
+                captured[index] = hidden.float()
         rows = [
             (slot.row if all_logits or not item.pending else slot.row + len(item.pending) - 1, slot.row + slot.size)
             for slot, item in zip(slots, items, strict=True)

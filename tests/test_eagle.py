@@ -73,19 +73,17 @@ def true_features(target: LoadedModel, text: list[int], layers: tuple[int, ...] 
     return features
 
 
-def test_fused_feature_rows_are_the_normalised_layer_outputs(target: LoadedModel) -> None:
-    """Layer k's block is decoder layer k's output RMS-normalised (Hugging Face's hidden_states[k + 1]); the
-    final layer index gives the final norm's output; blocks come in the order asked."""
+def test_fused_feature_rows_are_the_raw_layer_outputs(target: LoadedModel) -> None:
+    """Layer k's block is decoder layer k's raw output (Hugging Face's hidden_states[k + 1], vLLM's auxiliary
+    hidden state k + 1: what an EAGLE-3 head trained elsewhere reads); the final layer index gives the final
+    norm's output; blocks come in the order asked."""
     with torch.no_grad():
         hidden = target.model(torch.tensor([TEXT]), output_hidden_states=True).hidden_states
     rows = true_features(target, TEXT, (1, 2, 0))
     width = target.model.config.hidden_size
-    last_layer = torch.nn.functional.rms_norm(_pre_norm_output(target, TEXT), (width,))
-    torch.testing.assert_close(rows[:, :width], last_layer[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rows[:, :width], _pre_norm_output(target, TEXT)[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rows[:, width : 2 * width], hidden[-1][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(
-        rows[:, 2 * width :], torch.nn.functional.rms_norm(hidden[1][0], (width,)), atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(rows[:, 2 * width :], hidden[1][0], atol=1e-5, rtol=1e-5)
     with pytest.raises(InvalidArgumentError, match=r"^feature_layers: must be in \[0, 2\]"):
         true_features(target, TEXT, (3,))
 
@@ -277,6 +275,19 @@ def accepted_length(target: LoadedModel, head: EagleHead, prompts: list[list[int
     results = engine.generate([GenerationRequest(p, GREEDY, max_tokens=24, ignore_eos=True) for p in prompts])
     rounds = sum(r.stats.rounds for r in results)
     return sum(len(r.token_ids) for r in results) / rounds
+
+
+def test_resuming_a_checkpoint_of_another_head_layout_is_a_one_line_error(target: LoadedModel, tmp_path: Path) -> None:
+    """``--out`` holding the training state of an EAGLE-1 head cannot resume an EAGLE-3 one (before: a torch
+    traceback listing every missing weight)."""
+    examples = examples_of(target, [[1, 2, 3], [4, 5, 6]], max_tokens=12, fused_layers=FUSED)
+    config = TrainConfig(steps=1, eval_every=1, warmup_steps=1)
+    final, fused = (make_batches(examples, config.batch_tokens, config.max_length, fused=f) for f in (False, True))
+    train(EagleHead.from_target(target.model, torch.arange(VOCAB)), final, final, config, checkpoint_dir=tmp_path)
+    head = EagleHead.from_target(target.model, torch.arange(VOCAB), feature_layers=FUSED)
+    with pytest.raises(InvalidArgumentError, match=r"^out: .*train-state.pt resumes a different head") as error:
+        train(head, fused, fused, config, checkpoint_dir=tmp_path)
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("feature_layers", [(), FUSED], ids=["final-norm", "fused"])

@@ -36,7 +36,9 @@ from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification import BatchVerifier, VerifyCall
 
-FEATURE_DTYPE = torch.float16  # shards store features in half precision (post-norm rows are small in magnitude)
+# Shards store features in half precision: raw layer rows stay far inside its range (SmolLM2's largest ~4 400).
+# Shards written before the fused rows were raw hold them RMS-normalised; an fc_norm head reads both alike.
+FEATURE_DTYPE = torch.float16
 _EMPTY = Proposal(TokenTree.empty(), None)
 
 

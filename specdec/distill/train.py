@@ -2,13 +2,14 @@
 
 Per example (prompt + response, ``L`` tokens, target features ``F_0 .. F_(L-2)``) the head reads, at head
 position ``i = 1 .. L-2``, the token ``t_i`` and the feature ``F_(i-1)`` (a fused head: the fused rows ``A_(i-1)``
-through its ``fc``), and is trained towards ``F_i``:
+through its ``fc``), and its output (the row its LM head reads, :meth:`~EagleHead.output`) is trained towards
+``F_i``:
 
 - **soft cross-entropy** to the target's law of ``t_(i+1)`` over the draft vocabulary, ``softmax(lm_head(F_i))``
   (the target's own LM-head rows, so this is the target's distribution restricted to the K draft tokens);
-- **feature regression**: smooth L1 between the head's ``g_i`` and ``F_i`` (weight ``feature_weight``);
+- **feature regression**: smooth L1 between the head's output and ``F_i`` (weight ``feature_weight``);
 - **training-time unrolling** (EAGLE-3's "training-time test"): step ``s`` feeds the head its own step ``s-1``
-  predictions as input features, with the attention it would have at drafting depth ``s``
+  states as input features (what drafting feeds a drafted row), with the attention it would have at drafting depth ``s``
   (:func:`unrolled_mask`); step losses are weighted ``step_decay ** s``.
 
 Losses count only positions that predict a response token. Batches group examples of similar length (right
@@ -183,7 +184,7 @@ class _UnrolledAttention:
 
 
 def unrolled_forward(head: EagleHead, batch: Batch, steps: int) -> list[torch.Tensor]:
-    """The head's predicted features [B, T, H] at each unroll step ``0 .. steps - 1``."""
+    """The head's states [B, T, H] (:meth:`~EagleHead.forward_rows`) at each unroll step ``0 .. steps - 1``."""
     length = batch.tokens.shape[1]
     cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in head.layers]
     outputs = []
@@ -193,7 +194,7 @@ def unrolled_forward(head: EagleHead, batch: Batch, steps: int) -> list[torch.Te
         attend = _UnrolledAttention(cache, unrolled_mask(length, step))
         predicted = head.forward_rows(batch.tokens, features, batch.positions, attend)
         outputs.append(predicted)
-        features = torch.cat([true_features[:, :1], predicted[:, :-1]], dim=1)  # row i reads this step's g_(i-1)
+        features = torch.cat([true_features[:, :1], predicted[:, :-1]], dim=1)  # row i reads this step's state at i - 1
     return outputs
 
 
@@ -202,13 +203,13 @@ def batch_loss(head: EagleHead, batch: Batch, config: TrainConfig) -> tuple[torc
     mask = batch.loss_mask
     with torch.no_grad():
         targets = batch.targets[mask].float()  # [R, H]
-        target = torch.softmax(head.logits(targets), dim=-1)  # [R, K]
+        target = torch.softmax(head.lm_head(targets), dim=-1)  # [R, K]
         target_top = target.argmax(dim=-1)
     total = torch.zeros(())
     agree = []
     for step, predicted in enumerate(unrolled_forward(head, batch, config.unroll_steps)):
-        rows = predicted[mask]
-        log_q = torch.log_softmax(head.logits(rows), dim=-1)
+        rows = head.output(predicted[mask])
+        log_q = torch.log_softmax(head.lm_head(rows), dim=-1)
         cross_entropy = -(target * log_q).sum(dim=-1).mean()
         regression = F.smooth_l1_loss(rows, targets.to(rows.dtype))
         total = total + config.step_decay**step * (cross_entropy + config.feature_weight * regression)
@@ -259,7 +260,12 @@ def train(
     state_path = checkpoint_dir / CHECKPOINT_FILE if checkpoint_dir else None
     if state_path is not None and state_path.is_file():
         state = torch.load(state_path, weights_only=False)
-        head.load_state_dict(state["head"])
+        try:
+            head.load_state_dict(state["head"])
+        except RuntimeError as error:  # a head of another layout or size trained here before
+            raise InvalidArgumentError(
+                "out", f"{state_path} resumes a different head ({str(error).splitlines()[0]}): choose another --out"
+            ) from error
         optimiser.load_state_dict(state["optimiser"])
         step, spent, seen = state["step"], state["seconds"], state.get("tokens_seen", 0)
         order_rng.setstate(state["order_rng"])
@@ -305,7 +311,7 @@ def train(
 
 
 def _device_type(head: EagleHead) -> str:
-    return head.fusion_fc.weight.device.type
+    return head.embed_tokens.weight.device.type
 
 
 def _done(config: TrainConfig, step: int, seconds: float) -> bool:

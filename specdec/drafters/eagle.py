@@ -13,11 +13,13 @@ A round on a text of ``n`` tokens:
 3. the pending rows read from true features go into the head's KV (they never change); everything else was
    scratch.
 
-A position with no true feature uses the head's own prediction for it: that is how a chain pre-drafted on an
-assumed path (pipelining, :meth:`assume_accepted`) drafts, from the predictions made while drafting that path.
-With neither (a sequence just opened: the verifier has not yet prefilled the prompt) the drafter proposes
-nothing, and that round is a plain target step. When the text is rolled back, features, predictions and head
-KV beyond the common prefix are dropped: pointer arithmetic on ``L`` and ``c``.
+A row's *prediction* ``g`` is its state (:meth:`~specdec.drafters.eagle_head.EagleHead.forward_rows`: the predicted
+``F`` of an EAGLE-1 head, the pre-norm ``h`` of an EAGLE-3 one). A position with no true feature uses the head's own
+prediction for it: that is how a chain pre-drafted on an assumed path (pipelining, :meth:`assume_accepted`)
+drafts, from the predictions made while drafting that path. With neither (a sequence just opened: the verifier
+has not yet prefilled the prompt) the drafter proposes nothing, and that round is a plain target step. When the
+text is rolled back, features, predictions and head KV beyond the common prefix are dropped: pointer arithmetic
+on ``L`` and ``c``.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         self.max_seq_len = int(head.layer_config.max_position_embeddings)
         self._kv_heads = int(head.layer_config.num_key_value_heads)  # the head is never sharded
         self._head_dim = head.layers[0].self_attn.head_dim
-        weight = head.fusion_fc.weight
+        weight = head.embed_tokens.weight
         self._tensors = {"dtype": weight.dtype, "device": weight.device}  # of every row, KV and prediction held
         self._draft_ids = head.draft_to_target.cpu()  # q rows are built on the host (grow_level)
 
@@ -286,7 +288,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     def _run(
         self, slots: list[_Slot], tokens: list[int], features: list[torch.Tensor], positions: list[int]
     ) -> torch.Tensor:
-        """Packed head forward; the rounds' scratch gains the new K/V. Returns the predicted features [rows, hidden]."""
+        """Packed head forward; the rounds' scratch gains the new K/V. Returns the rows' states [rows, hidden]."""
         device = self._tensors["device"]
         predicted = self.head.forward_rows(
             torch.tensor([tokens], device=device),

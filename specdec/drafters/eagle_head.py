@@ -11,25 +11,37 @@ position before and the token at ``i``::
 
 Drafting past the committed text feeds ``g`` back as the next input feature.
 
-**Fused features (EAGLE-3, arXiv 2503.01840).** A head made with ``feature_layers`` reads, instead of ``F``, the
-outputs of a low, a middle and a high target layer (:func:`eagle3_layers`, each RMS-normalised by the target's
-runner), projected by ``fc`` [layers * H -> H] before the fusion: ``x_i = fusion_fc([embed(t_i), fc(A_(i-1))])``.
-Lower layers still hold what the last one has already traded for its next-token guess. Drafted rows feed ``g``
-back as before, and ``g`` is still trained towards ``F`` (it feeds the LM head). The LM head holds the target's
-rows of the ``K`` draft tokens (``draft_to_target``); every other token has ``q = 0``, so verification stays
-exact. ``embed_tokens`` and ``lm_head`` are the target's, frozen; ``fusion_fc``, the layers and ``norm`` train.
+**Fused features (EAGLE-3, arXiv 2503.01840).** A head made with ``feature_layers`` is EAGLE-3's head exactly as
+vLLM and ``speculators`` build it. It reads the raw outputs ``A`` of a low, a middle and a high target layer
+(:func:`eagle3_layers`) instead of ``F``: lower layers still hold what the last one has already traded for its
+next-token guess. Per-layer RMS norms (``fc_norm``, EAGLE 3.1; raw residual streams carry massive activations)
+and ``fc`` [layers * H -> H] make ``x``; the first decoder layer attends over both halves side by side::
+
+    x_i  = fc([fc_norm_k(A_k,(i-1)) for each layer k])
+    h_i  = decoder layers, the first over [input_layernorm(embed(t_i)), hidden_norm(x_i)]    [2H]
+    q_i  = softmax(lm_head(norm(h_i)))
+
+and a drafted row feeds back the pre-norm ``h`` as its successor's ``x``. :class:`Eagle3Options` holds the
+variants ``speculators`` knows (``fc_norm``, ``norm_before_fc``, ``norm_before_residual``, ``norm_output``), so
+heads trained elsewhere load too. Both kinds hold the target's LM-head rows of the ``K`` draft tokens
+(``draft_to_target``); every other token has ``q = 0``, so verification stays exact. ``embed_tokens`` and
+``lm_head`` are the target's, frozen; everything else trains.
 
 Checkpoints use the vLLM ``speculators`` layout: ``config.json`` (``speculators_model_type``,
 ``transformer_layer_config``, ``draft_vocab_size``, the verifier's name) and ``model.safetensors`` with
-``embed_tokens.weight``, ``fusion_fc.weight``, ``layers.N.*``, ``norm.weight``, ``lm_head.weight`` and the
-vocabulary maps ``d2t`` (draft id -> target id offset) and ``t2d`` (target ids in the draft vocabulary).
+``embed_tokens.weight``, ``fusion_fc.weight`` (EAGLE-1) or ``fc.weight`` and ``fc_norm.N.weight`` (EAGLE-3),
+``layers.N.*``, ``norm.weight``, ``lm_head.weight`` and the vocabulary maps ``d2t`` (draft id -> target id
+offset) and ``t2d`` (target ids in the draft vocabulary). vLLM serves an EAGLE-3 checkpoint as it is
+(``--speculative-config '{"model": DIR}'``); its ``eagle_aux_hidden_state_layer_ids`` count the embedding output
+as 0, so they are one more than :func:`eagle3_layers`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -64,8 +76,23 @@ class HeadInfo:
     num_draft_tokens: int
 
 
+@dataclass(frozen=True)
+class Eagle3Options:
+    """The EAGLE-3 variants ``speculators`` and vLLM know, by their config names; the defaults are what
+    ``specdec distill`` trains (a missing field in a checkpoint means vLLM's default, see :func:`load_head`)."""
+
+    fc_norm: bool = True  # an RMSNorm per target layer before fc: raw rows differ in scale by 10-100x
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated rows before fc
+    norm_before_residual: bool = True  # the first layer's residual is hidden_norm(x), not x
+    norm_output: bool = False  # a drafted row feeds back the post-norm output, not the pre-norm one
+
+
 class EagleHead(nn.Module):
-    """The head's modules and its forward over packed rows; attention is the caller's (:data:`Attend`)."""
+    """The head's modules and its forward over packed rows; attention is the caller's (:data:`Attend`).
+
+    :meth:`forward_rows` returns the **state** a row hands on: what a drafted successor reads as its input
+    feature (EAGLE-1: the predicted ``F``; EAGLE-3: the pre-norm ``h``); :meth:`output` is the row the LM head reads.
+    """
 
     def __init__(
         self,
@@ -73,6 +100,7 @@ class EagleHead(nn.Module):
         draft_to_target: torch.Tensor,
         vocab_size: int,
         feature_layers: tuple[int, ...] = (),
+        options: Eagle3Options | None = None,
     ) -> None:
         super().__init__()
         hidden = layer_config.hidden_size
@@ -81,11 +109,26 @@ class EagleHead(nn.Module):
         self.layer_config = layer_config
         self.vocab_size = vocab_size
         self.feature_layers = tuple(feature_layers)  # target layers fused (EAGLE-3); empty: the final norm's output
-        if self.feature_layers:
-            self.fc = nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False)
+        self.options = (options or Eagle3Options()) if self.feature_layers else None
         self.embed_tokens = nn.Embedding(vocab_size, hidden)
-        self.fusion_fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(layer_config, i) for i in range(layer_config.num_hidden_layers))
+        if self.options is None:
+            self.fusion_fc = nn.Linear(2 * hidden, hidden, bias=False)
+        else:
+            width = len(self.feature_layers) * hidden
+            if self.options.norm_before_fc:
+                self.input_norm = LlamaRMSNorm(width, eps=layer_config.rms_norm_eps)
+            if self.options.fc_norm:
+                self.fc_norm = nn.ModuleList(
+                    LlamaRMSNorm(hidden, eps=layer_config.rms_norm_eps) for _ in self.feature_layers
+                )
+            self.fc = nn.Linear(width, hidden, bias=False)
+            first = self.layers[0]
+            first.hidden_norm = LlamaRMSNorm(hidden, eps=layer_config.rms_norm_eps)
+            bias = bool(getattr(layer_config, "attention_bias", False))
+            for name in ("q_proj", "k_proj", "v_proj"):  # the first layer reads [embedding, feature]: 2H wide
+                projection = getattr(first.self_attn, name)
+                setattr(first.self_attn, name, nn.Linear(2 * hidden, projection.out_features, bias=bias))
         self.norm = LlamaRMSNorm(hidden, eps=layer_config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, len(draft_to_target), bias=False)
         self.rotary = LlamaRotaryEmbedding(layer_config)
@@ -105,9 +148,17 @@ class EagleHead(nn.Module):
         return self.hidden_size * max(1, len(self.feature_layers))
 
     def project(self, rows: torch.Tensor) -> torch.Tensor:
-        """The head's input features [..., H] of target rows [..., feature_width]: ``fc`` of fused rows, or the
-        final-norm rows themselves."""
-        return self.fc(rows.to(self.fc.weight.dtype)) if self.feature_layers else rows
+        """The head's input features [..., H] of target rows [..., feature_width]: EAGLE-3's normed ``fc`` of
+        the fused rows, or the final-norm rows themselves."""
+        rows = rows.to(self.embed_tokens.weight.dtype)
+        if self.options is None:
+            return rows
+        if self.options.norm_before_fc:
+            rows = self.input_norm(rows)
+        if self.options.fc_norm:
+            blocks = rows.chunk(len(self.feature_layers), dim=-1)
+            rows = torch.cat([norm(block) for norm, block in zip(self.fc_norm, blocks, strict=True)], dim=-1)
+        return self.fc(rows)
 
     @classmethod
     def from_target(
@@ -118,9 +169,10 @@ class EagleHead(nn.Module):
         feature_layers: tuple[int, ...] = (),
     ) -> EagleHead:
         """A fresh head for ``target``: its embeddings, final norm and LM-head rows; layers initialised from the
-        target's last ``num_layers`` layers (a far better start than random for a one-layer head). With
-        ``feature_layers`` (e.g. :func:`eagle3_layers`) the head fuses those layers' rows; ``fc`` starts as the
-        final norm's weight over the highest one, the nearest of them to the final-norm rows."""
+        target's last ``num_layers`` layers (a far better start than random for a one-layer head), with their
+        input starting as "embedding + feature", halved. With ``feature_layers`` (e.g. :func:`eagle3_layers`) the
+        head fuses those layers' rows; ``fc`` starts as the final norm's weight over the highest one, the
+        nearest of them to the final-norm rows."""
         if num_layers < 1:
             raise InvalidArgumentError("layers", f"must be >= 1, got {num_layers}")
         total = int(target.config.num_hidden_layers)
@@ -132,19 +184,28 @@ class EagleHead(nn.Module):
             config.__dict__.pop(stale, None)
         head = cls(config, draft_to_target, int(target.config.vocab_size), tuple(feature_layers))
         decoder = target.model
+        hidden = config.hidden_size
         with torch.no_grad():
             head.embed_tokens.weight.copy_(decoder.embed_tokens.weight)
             head.lm_head.weight.copy_(target.lm_head.weight[head.draft_to_target])
             head.norm.weight.copy_(decoder.norm.weight)
-            for own, source in zip(head.layers, decoder.layers[-num_layers:], strict=True):
-                own.load_state_dict(source.state_dict())
-            hidden = config.hidden_size  # start as "embedding + feature": the identity on each half, halved
-            eye = torch.eye(hidden) * 0.5
-            head.fusion_fc.weight.copy_(torch.cat([eye, eye], dim=1))
+            for index, (own, source) in enumerate(zip(head.layers, decoder.layers[-num_layers:], strict=True)):
+                weights = source.state_dict()
+                if index == 0 and feature_layers:
+                    for name in ("q_proj", "k_proj", "v_proj"):
+                        for kind in ("weight", "bias"):
+                            key = f"self_attn.{name}.{kind}"
+                            if key in weights:
+                                weights[key] = torch.cat([weights[key], weights[key]], dim=-1) * 0.5
+                    weights["hidden_norm.weight"] = weights["input_layernorm.weight"]
+                own.load_state_dict(weights)
             if feature_layers:
                 highest = max(range(len(feature_layers)), key=lambda block: feature_layers[block])
                 head.fc.weight.zero_()
                 head.fc.weight[:, highest * hidden : (highest + 1) * hidden] = torch.diag(decoder.norm.weight)
+            else:
+                eye = torch.eye(hidden) * 0.5
+                head.fusion_fc.weight.copy_(torch.cat([eye, eye], dim=1))
         head.embed_tokens.weight.requires_grad_(False)
         head.lm_head.weight.requires_grad_(False)
         return head
@@ -152,18 +213,35 @@ class EagleHead(nn.Module):
     def forward_rows(
         self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        """Predicted features ``g`` [B, T, H] for ``tokens`` [B, T], input ``features`` [B, T, H] (the feature of
-        each row's previous position) and RoPE ``positions`` [B, T]; ``attend`` supplies keys, values and mask."""
-        x = self.fusion_fc(torch.cat([self.embed_tokens(tokens), features.to(self.fusion_fc.weight.dtype)], dim=-1))
-        cos, sin = self.rotary(x, positions)  # [B, T, head_dim]
+        """Each row's state [B, T, H] (see the class) for ``tokens`` [B, T], input ``features`` [B, T, H] (the
+        feature or state of each row's previous position) and RoPE ``positions`` [B, T]; ``attend`` supplies
+        keys, values and mask."""
+        embeds = self.embed_tokens(tokens)
+        features = features.to(embeds.dtype)
+        if self.options is None:
+            residual = self.fusion_fc(torch.cat([embeds, features], dim=-1))
+            first_input = None
+        else:
+            first = self.layers[0]
+            normed = first.hidden_norm(features)
+            residual = normed if self.options.norm_before_residual else features
+            first_input = torch.cat([first.input_layernorm(embeds), normed], dim=-1)
+        cos, sin = self.rotary(residual, positions)  # [B, T, head_dim]
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer.self_attn, layer.input_layernorm(x), cos, sin, attend)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+            x = first_input if index == 0 and first_input is not None else layer.input_layernorm(residual)
+            residual = residual + self._attention(index, layer.self_attn, x, cos, sin, attend)
+            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        if self.options is None or self.options.norm_output:
+            return self.norm(residual)
+        return residual
 
-    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [..., K] of predicted features [..., H]."""
-        return self.lm_head(predicted)
+    def output(self, states: torch.Tensor) -> torch.Tensor:
+        """The rows [..., H] the LM head reads, of states [..., H]: the head's prediction of the target's ``F``."""
+        return states if self.options is None or self.options.norm_output else self.norm(states)
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., K] of states [..., H]."""
+        return self.lm_head(self.output(states))
 
     def _attention(
         self, index: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
@@ -171,7 +249,7 @@ class EagleHead(nn.Module):
         batch, length, _ = x.shape
         head_dim = attn.head_dim
 
-        def heads(projection: nn.Module) -> torch.Tensor:  # [B, T, H'] -> [B, heads, T, head_dim]
+        def heads(projection: nn.Module) -> torch.Tensor:  # [B, T, width] -> [B, heads, T, head_dim]
             return projection(x).view(batch, length, -1, head_dim).transpose(1, 2)
 
         query, key, value = heads(attn.q_proj), heads(attn.k_proj), heads(attn.v_proj)
@@ -205,19 +283,15 @@ def save_head(head: EagleHead, directory: Path, info: HeadInfo) -> None:
     tensors.pop("draft_to_target")
     tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()
     tensors["t2d"] = t2d
-    fused = bool(head.feature_layers)
-    model_type = FUSED_MODEL_TYPE if fused else SPECULATORS_MODEL_TYPE
+    options = head.options
+    model_type = SPECULATORS_MODEL_TYPE if options is None else FUSED_MODEL_TYPE
     config = {
-        "architectures": ["Eagle3Speculator" if fused else "EagleSpeculator"],
+        "architectures": ["EagleSpeculator" if options is None else "Eagle3Speculator"],
         "speculators_model_type": model_type,
         "speculators_version": "0.1.0",
         "draft_vocab_size": head.draft_vocab_size,
         "target_vocab_size": head.vocab_size,
         "target_hidden_size": head.hidden_size,
-        "layernorms": True,
-        "fusion_bias": False,
-        "feature": "rms_normalised_layer_outputs" if fused else "final_norm_output",
-        "eagle_aux_hidden_state_layer_ids": list(head.feature_layers) if fused else None,
         "transformer_layer_config": head.layer_config.to_dict(),
         "speculators_config": {
             "algorithm": model_type,
@@ -226,6 +300,11 @@ def save_head(head: EagleHead, directory: Path, info: HeadInfo) -> None:
             "verifier": {"name_or_path": info.verifier, "architectures": ["LlamaForCausalLM"]},
         },
     }
+    if options is None:
+        config.update(layernorms=True, fusion_bias=False)
+    else:
+        config.update(asdict(options))
+        config["eagle_aux_hidden_state_layer_ids"] = [layer + 1 for layer in head.feature_layers]  # vLLM's count
     partial = directory / (WEIGHTS_FILE + ".partial")
     save_file(tensors, str(partial))
     partial.rename(directory / WEIGHTS_FILE)  # never a half-written head under the real name
@@ -236,7 +315,10 @@ def load_head(
     directory: Path, *, hidden_size: int | None = None, vocab_size: int | None = None
 ) -> tuple[EagleHead, HeadInfo]:
     """The head stored in ``directory``, in eval mode without gradients; checked against the target's
-    ``hidden_size`` and ``vocab_size`` when given. Every problem is one line naming the field or file."""
+    ``hidden_size`` and ``vocab_size`` when given. Every problem is one line naming the field or file.
+
+    EAGLE-3 checkpoints of ``speculators``, vLLM and SpecForge load too: a missing option means vLLM's default,
+    and SpecForge's ``midlayer.`` is the first layer."""
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_path.is_file() or not weights_path.is_file():
         raise ModelNotFoundError(f"draft_model: {directory} holds no EAGLE head ({CONFIG_FILE} + {WEIGHTS_FILE})")
@@ -244,17 +326,27 @@ def load_head(
         config = json.loads(config_path.read_text())
         model_type = config["speculators_model_type"]
         layer_config = LlamaConfig(**config["transformer_layer_config"])
-        draft_vocab, target_vocab = int(config["draft_vocab_size"]), int(config["target_vocab_size"])
+        draft_vocab = int(config["draft_vocab_size"])
+        target_vocab = int(config.get("target_vocab_size") or layer_config.vocab_size)
         verifier = config["speculators_config"]["verifier"]["name_or_path"]
         methods = config["speculators_config"].get("proposal_methods") or [{}]
         num_draft_tokens = int(methods[0].get("speculative_tokens", 4))
-        feature_layers = tuple(int(k) for k in config.get("eagle_aux_hidden_state_layer_ids") or ())
+        aux_layers = config.get("eagle_aux_hidden_state_layer_ids") if model_type == FUSED_MODEL_TYPE else None
+        feature_layers = tuple(int(k) - 1 for k in aux_layers or ())
+        fields = {field.name for field in dataclasses.fields(Eagle3Options)}
+        options = Eagle3Options(**{name: bool(config.get(name, name == "norm_before_residual")) for name in fields})
     except (ValueError, KeyError, TypeError) as error:
         raise InvalidArgumentError("draft_model", f"{config_path}: not a speculators config ({error!r})") from error
-    expected = FUSED_MODEL_TYPE if feature_layers else SPECULATORS_MODEL_TYPE
-    if model_type != expected:
+    if model_type not in (SPECULATORS_MODEL_TYPE, FUSED_MODEL_TYPE):
+        raise InvalidArgumentError("draft_model", f"{config_path}: speculators_model_type {model_type!r} is not served")
+    if config.get("feature") == "rms_normalised_layer_outputs":
         raise InvalidArgumentError(
-            "draft_model", f"{config_path}: speculators_model_type {model_type!r} is not {expected!r}"
+            "draft_model",
+            f"{directory} holds a fused head older than specdec's EAGLE-3 layout: train it again (specdec distill)",
+        )
+    if model_type == FUSED_MODEL_TYPE and (not feature_layers or min(feature_layers) < 0):
+        raise InvalidArgumentError(
+            "draft_model", f"{config_path}: eagle_aux_hidden_state_layer_ids must list target layers (1 or more)"
         )
     if hidden_size is not None and layer_config.hidden_size != hidden_size:
         raise IncompatibleDraftError(
@@ -263,14 +355,14 @@ def load_head(
     if vocab_size is not None and target_vocab != vocab_size:
         raise IncompatibleDraftError(f"draft_model: head vocabulary {target_vocab} != the target's {vocab_size}")
     try:
-        tensors = load_file(str(weights_path))
+        tensors = {name.replace("midlayer.", "layers.0."): t for name, t in load_file(str(weights_path)).items()}
     except (SafetensorError, OSError) as error:
         raise InvalidArgumentError("draft_model", f"{weights_path}: corrupt or truncated ({error})") from error
     d2t = tensors.pop("d2t", None)
     tensors.pop("t2d", None)
     if d2t is None or len(d2t) != draft_vocab:
         raise InvalidArgumentError("draft_model", f"{weights_path}: d2t must hold draft_vocab_size={draft_vocab} rows")
-    head = EagleHead(layer_config, d2t.long() + torch.arange(draft_vocab), target_vocab, feature_layers)
+    head = EagleHead(layer_config, d2t.long() + torch.arange(draft_vocab), target_vocab, feature_layers, options)
     tensors["draft_to_target"] = head.draft_to_target
     try:
         head.load_state_dict(tensors, strict=True)
