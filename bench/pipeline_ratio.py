@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from bench.disaggregated import interleave_categories
-from bench.pipelining import Tally
+from bench.pipelining import Tally, fmt, load_average, machine_meta
 
 
 def widened_head(head_dir: Path, target: torch.nn.Module, size: int, out: Path) -> Path:
@@ -79,9 +75,6 @@ def summarise(sequential: Tally, pipelined: Tally, draft_s: float, verify_s: flo
 
 
 def report(meta: dict, rows: list[dict]) -> str:
-    def fmt(value: object) -> str:
-        return "–" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
-
     lines = [
         f"# Pipelined vs sequential across draft / verify ratios on `{meta['target']}`",
         "",
@@ -133,7 +126,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from bench.colocated import PROMPTS, load_prompts
-    from bench.load.report import cpu_model
     from bench.services import Services
     from specdec.cache import default_head_dir
     from specdec.cli import encode_prompt, quiet_model_loading
@@ -144,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(size) for size in args.draft_vocab_sizes.split(",")]
     head_dir = (args.draft_model or default_head_dir(args.target)).expanduser()
     target = load_model(args.target)
-    load_before = "/".join(f"{value:.2f}" for value in os.getloadavg())
+    load_before = load_average()
     heads = Path(tempfile.mkdtemp(prefix="specdec-ratio-heads-"))
     paths = {size: widened_head(head_dir, target.model, size, heads / str(size)) for size in sizes}
     rows = interleave_categories(load_prompts(PROMPTS, None), args.num_prompts)
@@ -210,14 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         "target": args.target,
         "head": str(head_dir),
         "sizes": sizes,
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "load_before": load_before,
-        "load_after": "/".join(f"{value:.2f}" for value in os.getloadavg()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "command": "python -m bench.pipeline_ratio " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **machine_meta("bench.pipeline_ratio", argv, load_before),
         "gamma": args.gamma,
         "max_tokens": args.max_tokens,
         "num_prompts": len(prompts),

@@ -97,6 +97,33 @@ def options(config: Config, args: argparse.Namespace) -> dict:
     return base
 
 
+def fmt(value: object) -> str:
+    """A table cell: two decimals for a float, – for None."""
+    return "–" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def machine_meta(module: str, argv: list[str] | None, load_before: str) -> dict:
+    """When, on what and by which command a bench ran (``load_before``: the load average at its start)."""
+    import torch
+
+    from bench.load.report import cpu_model
+
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": load_average(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+
+
+def load_average() -> str:
+    return "/".join(f"{value:.2f}" for value in os.getloadavg())
+
+
 def report(meta: dict, rows: list[dict]) -> str:
     lines = [
         f"# Pipelining on `{meta['target']}` with the {meta['drafter_kind']} drafter",
@@ -119,9 +146,6 @@ def report(meta: dict, rows: list[dict]) -> str:
         "full-acceptance hits | rejection-outcome hits |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-
-    def fmt(value: float | None) -> str:
-        return "–" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
     for row in rows:
         lines.append(
@@ -155,17 +179,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "specdec-bench-pipelining")
     args = parser.parse_args(argv)
 
-    import torch
-
     from bench.colocated import PROMPTS, load_prompts
-    from bench.load.report import cpu_model
     from bench.services import Services
     from specdec.cli import encode_prompt, quiet_model_loading
     from specdec.client import Client
     from specdec.models import load_model
 
     quiet_model_loading()
-    load_before = "/".join(f"{value:.2f}" for value in os.getloadavg())
+    load_before = load_average()
     with Services(args.log_dir) as services:
         verifier = services.spawn(
             "verifier", "verifier_service", ["--model", args.target, "--dtype", "float32", "--torch-threads", "1"]
@@ -217,14 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "target": args.target,
         "drafter_kind": args.drafter_kind,
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "load_before": load_before,
-        "load_after": "/".join(f"{value:.2f}" for value in os.getloadavg()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "command": "python -m bench.pipelining " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **machine_meta("bench.pipelining", argv, load_before),
         "max_tokens": args.max_tokens,
         "num_prompts": len(prompts),
         "repeats": args.repeats,
