@@ -27,6 +27,7 @@ from grpc_common.convert import feature_dtype_from_wire, features_from_wire, fea
 from router.config import RouterConfig
 from router.pipeline import Drafted, SequenceSpec, Verified
 from router.server import start_router
+from router.workers import FEATURE_DTYPE
 from specdec.client import Client
 from specdec.drafters import DraftConfig, NgramDrafter
 from specdec.errors import InvalidArgumentError
@@ -95,6 +96,15 @@ def test_half_precision_rows_equal_torchs_cast(dtype: torch.dtype) -> None:
     start, back = features_from_wire(message)
     assert start == 0 and back.shape == (9, 16) and back.dtype == torch.float32
     assert torch.equal(back, rows.double().to(dtype).float())
+
+
+def test_the_routers_feature_dtype_carries_massive_activations() -> None:
+    """Raw layer rows reach tens of thousands (SmolLM2's layer 14: 22 500); what the router asks verifiers for must
+    carry them (float16 made 1e5 infinite), to within bfloat16's 3 significant digits."""
+    rows = torch.tensor([[1e5, -3e5, 0.5, 22516.5]])
+    _, back = features_from_wire(features_to_wire(rows, 0, feature_dtype_from_wire(FEATURE_DTYPE)))
+    assert bool(torch.isfinite(back).all())
+    torch.testing.assert_close(back, rows, rtol=4e-3, atol=0)
 
 
 def test_zero_rows_and_the_default_dtype() -> None:
@@ -392,7 +402,8 @@ def test_the_router_relays_every_verdicts_rows_to_the_drafter(
         if speculation == "pipelined":
             assert any(received == committed for received, committed in syncs), "a confirmed assumption had all rows"
         rows = torch.cat(drafter.rows[handle])
-        assert_rows_equal(rows, teacher_forced(target, prompt + result.token_ids)[: len(rows)], torch.float16)
+        wire = feature_dtype_from_wire(FEATURE_DTYPE)  # the dtype the router asks for
+        assert_rows_equal(rows, teacher_forced(target, prompt + result.token_ids)[: len(rows)], wire)
     events = [event for event, _ in drafter.events]
     assert all(events[index - 1] == "features" for index, event in enumerate(events) if event == "sync")
 
