@@ -11,17 +11,20 @@ without, on two CPU cores.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.colocated import PROMPTS, load_prompts
 from specdec.cache import default_head_dir
 from specdec.client import Client, GenerateResult
-from specdec.drafters.eagle_head import CONFIG_FILE
+from specdec.drafters.eagle_head import CONFIG_FILE, load_head
+from specdec.errors import SpecdecError
 
 TARGET = "smollm2-135m"
 MAX_TOKENS = 64
@@ -143,11 +146,19 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
     )
 
 
-def ensure_head() -> None:
+def ensure_head(head: Path | None = None) -> None:
     """Reuse the cached head for the target, or train a small one now (the full one takes about three hours: one
-    of data, two of training)."""
-    head = default_head_dir(TARGET)
+    of data, two of training). A cached head that cannot be served (one of an older layout) stops the demo with
+    the reason, before anything starts."""
+    head = head or default_head_dir(TARGET)
     if (head / CONFIG_FILE).is_file():
+        try:
+            load_head(head)
+        except SpecdecError as error:
+            raise SystemExit(
+                f"EAGLE head: the cached one cannot be served ({error}). Move {head} aside and rerun to train a "
+                f"small one, or make the full one: `{FULL_HEAD_COMMAND}`"
+            ) from None
         print(f"EAGLE head: cached in {head}\n", flush=True)
         return
     print(f"EAGLE head: none cached in {head}; training a small one now (about 6 minutes; the full one: "
@@ -163,7 +174,8 @@ def first_router(up: dict) -> dict:
     return up["routers"][0]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     rows = load_prompts(PROMPTS, set(CATEGORIES))
     prompts = [next(row for row in rows if row["category"] == category) for category in CATEGORIES]
     ensure_head()
