@@ -7,6 +7,7 @@ Tiny random targets (``tests.tiny_models``) throughout; the greedy equality on S
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -275,6 +276,16 @@ def accepted_length(target: LoadedModel, head: EagleHead, prompts: list[list[int
     results = engine.generate([GenerationRequest(p, GREEDY, max_tokens=24, ignore_eos=True) for p in prompts])
     rounds = sum(r.stats.rounds for r in results)
     return sum(len(r.token_ids) for r in results) / rounds
+
+
+def test_raw_layer_rows_beyond_float16s_range_survive_the_data_and_the_batches(target: LoadedModel) -> None:
+    """Raw layer rows carry massive activations (22 500 on SmolLM2; more on larger targets): stored and batched
+    in bfloat16, a row of 1e5 stays finite (float16 batches made it infinite)."""
+    (example,) = examples_of(target, [[1, 2, 3]], max_tokens=8, fused_layers=FUSED)
+    assert example.fused.dtype == torch.bfloat16
+    huge = dataclasses.replace(example, fused=torch.full_like(example.fused, 1e5))
+    (batch,) = make_batches([huge], 3072, 640, fused=True)
+    assert bool(torch.isfinite(batch.inputs).all()) and float(batch.inputs.max()) == pytest.approx(1e5, rel=4e-3)
 
 
 def test_resuming_a_checkpoint_of_another_head_layout_is_a_one_line_error(target: LoadedModel, tmp_path: Path) -> None:

@@ -36,9 +36,11 @@ from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification import BatchVerifier, VerifyCall
 
-# Shards store features in half precision: raw layer rows stay far inside its range (SmolLM2's largest ~4 400).
-# Shards written before the fused rows were raw hold them RMS-normalised; an fc_norm head reads both alike.
-FEATURE_DTYPE = torch.float16
+# Shards store features in half precision: the final norm's rows (small) in float16, for its finer steps; the raw
+# layer rows an EAGLE-3 head reads in bfloat16, the dtype the verifier sends them in, whose range holds their
+# massive activations (22 500 on SmolLM2's layer 14). Older shards hold those rows RMS-normalised in float16; an
+# fc_norm head reads both alike.
+FEATURE_DTYPE, FUSED_DTYPE = torch.float16, torch.bfloat16
 _EMPTY = Proposal(TokenTree.empty(), None)
 
 
@@ -126,7 +128,7 @@ def generate_examples(
         outcomes = verifier.verify([VerifyCall(sequence_id, _EMPTY) for sequence_id in active])
         for sequence_id, outcome in zip(list(active), outcomes, strict=True):
             prompt, features, response = active[sequence_id]
-            features.append(outcome.features.to(FEATURE_DTYPE))
+            features.append(outcome.features)
             response.extend(outcome.verdict.emitted)
             if outcome.finish_reason is not None:
                 verifier.close(sequence_id)
@@ -171,13 +173,14 @@ def teacher_force_examples(
             (outcome,) = verifier.verify([VerifyCall(conversation.id, _EMPTY)])
         finally:
             verifier.close(conversation.id)
-        yield _example(conversation.id, tokens, len(prompt), outcome.features.to(FEATURE_DTYPE), runner.hidden_size)
+        yield _example(conversation.id, tokens, len(prompt), outcome.features, runner.hidden_size)
 
 
 def _example(id_: str, tokens: list[int], prompt_length: int, rows: torch.Tensor, hidden_size: int) -> Example:
     """An example from feature rows [L - 1, (layers + 1) * hidden]: the fused layers' blocks, then the final norm's."""
-    fused = rows[:, :-hidden_size] if rows.shape[1] > hidden_size else None
-    return Example(id_, torch.tensor(tokens, dtype=torch.int32), prompt_length, rows[:, -hidden_size:], fused)
+    fused = rows[:, :-hidden_size].to(FUSED_DTYPE) if rows.shape[1] > hidden_size else None
+    final = rows[:, -hidden_size:].to(FEATURE_DTYPE)
+    return Example(id_, torch.tensor(tokens, dtype=torch.int32), prompt_length, final, fused)
 
 
 def read_conversations(path: Path) -> list[Conversation]:

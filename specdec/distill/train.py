@@ -66,7 +66,8 @@ class TrainConfig:
 class Batch:
     """Right-padded rows: ``tokens`` [B, T], ``inputs`` [B, T, W] (the target rows read: ``F_(i-1)``, or the
     fused ``A_(i-1)``), ``targets`` [B, T, H] (``F_i``), ``positions`` [B, T], ``loss_mask`` [B, T] (rows that
-    predict a response token). Rows are stored in half precision (a large data set stays in memory)."""
+    predict a response token). Rows are stored in half precision (a large data set stays in memory): raw layer rows in
+    bfloat16, final-norm rows in float16."""
 
     tokens: torch.Tensor
     inputs: torch.Tensor
@@ -134,7 +135,8 @@ def _collate(examples: list[Example], max_length: int, fused: bool) -> Batch:
     width = examples[0].fused.shape[-1] if fused else hidden
     count = len(examples)
     tokens = torch.zeros(count, length, dtype=torch.long)
-    inputs = torch.zeros(count, length, width, dtype=torch.float16)
+    inputs_dtype = torch.bfloat16 if fused else torch.float16  # raw layer rows need bfloat16's range
+    inputs = torch.zeros(count, length, width, dtype=inputs_dtype)
     targets = torch.zeros(count, length, hidden, dtype=torch.float16)
     loss_mask = torch.zeros(count, length, dtype=torch.bool)
     for row, example in enumerate(examples):
