@@ -31,17 +31,17 @@ Checkpoints use the vLLM ``speculators`` layout: ``config.json`` (``speculators_
 ``transformer_layer_config``, ``draft_vocab_size``, the verifier's name) and ``model.safetensors`` with
 ``embed_tokens.weight``, ``fusion_fc.weight`` (EAGLE-1) or ``fc.weight`` and ``fc_norm.N.weight`` (EAGLE-3),
 ``layers.N.*``, ``norm.weight``, ``lm_head.weight`` and the vocabulary maps ``d2t`` (draft id -> target id
-offset) and ``t2d`` (target ids in the draft vocabulary). vLLM serves an EAGLE-3 checkpoint as it is
-(``--speculative-config '{"model": DIR}'``); its ``eagle_aux_hidden_state_layer_ids`` count the embedding output
-as 0, so they are one more than :func:`eagle3_layers`.
+offset) and ``t2d`` (target ids in the draft vocabulary). An EAGLE-3 checkpoint is what vLLM's
+``Eagle3LlamaForCausalLM`` loads (``--speculative-config '{"model": DIR}'``; ``tests/test_eagle3_layout.py``
+recomputes vLLM's forward from the file by weight name); its ``eagle_aux_hidden_state_layer_ids`` count the
+embedding output as 0, so they are one more than :func:`eagle3_layers`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -333,8 +333,8 @@ def load_head(
         num_draft_tokens = int(methods[0].get("speculative_tokens", 4))
         aux_layers = config.get("eagle_aux_hidden_state_layer_ids") if model_type == FUSED_MODEL_TYPE else None
         feature_layers = tuple(int(k) - 1 for k in aux_layers or ())
-        fields = {field.name for field in dataclasses.fields(Eagle3Options)}
-        options = Eagle3Options(**{name: bool(config.get(name, name == "norm_before_residual")) for name in fields})
+        names = [option.name for option in fields(Eagle3Options)]  # absent: vLLM's default
+        options = Eagle3Options(**{name: bool(config.get(name, name == "norm_before_residual")) for name in names})
     except (ValueError, KeyError, TypeError) as error:
         raise InvalidArgumentError("draft_model", f"{config_path}: not a speculators config ({error!r})") from error
     if model_type not in (SPECULATORS_MODEL_TYPE, FUSED_MODEL_TYPE):
