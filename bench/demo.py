@@ -29,7 +29,7 @@ from specdec.errors import SpecdecError
 TARGET = "smollm2-135m"
 MAX_TOKENS = 64
 CATEGORIES = ("code", "rewrite", "chat")
-FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --data-minutes 60 --minutes 110"
+FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --data-minutes 60 --minutes 80"
 DEMO_HEAD_ARGS = ["--target", TARGET, "--data-minutes", "2.5", "--minutes", "2.5", "--held-out-prompts", "16"]
 UP_ARGS = [
     "--target", TARGET,
@@ -147,9 +147,9 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
 
 
 def ensure_head(head: Path | None = None) -> None:
-    """Reuse the cached head for the target, or train a small one now (the full one takes about three hours: one
-    of data, two of training). A cached head that cannot be served (one of an older layout) stops the demo with
-    the reason, before anything starts."""
+    """Reuse the cached head for the target, or train a small one now (the full one takes about two and a half
+    hours: one of data, 80 minutes of training). A cached head that cannot be served (one of an older layout) stops
+    the demo with the reason, before anything starts."""
     head = head or default_head_dir(TARGET)
     if (head / CONFIG_FILE).is_file():
         try:
