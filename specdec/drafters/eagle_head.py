@@ -191,12 +191,10 @@ class EagleHead(nn.Module):
             head.norm.weight.copy_(decoder.norm.weight)
             for index, (own, source) in enumerate(zip(head.layers, decoder.layers[-num_layers:], strict=True)):
                 weights = source.state_dict()
-                if index == 0 and feature_layers:
+                if index == 0 and feature_layers:  # q/k/v read [embedding, feature]: each half gets the weight, halved
                     for name in ("q_proj", "k_proj", "v_proj"):
-                        for kind in ("weight", "bias"):
-                            key = f"self_attn.{name}.{kind}"
-                            if key in weights:
-                                weights[key] = torch.cat([weights[key], weights[key]], dim=-1) * 0.5
+                        weight = weights[f"self_attn.{name}.weight"]
+                        weights[f"self_attn.{name}.weight"] = torch.cat([weight, weight], dim=-1) * 0.5
                     weights["hidden_norm.weight"] = weights["input_layernorm.weight"]
                 own.load_state_dict(weights)
             if feature_layers:
