@@ -21,6 +21,7 @@ import torch
 
 import specdec.cli
 from specdec.cli import encode_prompt, main
+from specdec.distill.command import resample_id, sampling_for
 from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
 from specdec.engine import Engine, GenerationRequest
 from specdec.models import load_model
@@ -220,6 +221,33 @@ def test_distill_refuses_a_draft_vocabulary_outside_the_targets(
     )
     assert status == 2
     assert error_line(stderr) == f"{ERROR_PREFIX}draft_vocab: must be in [1, 16] (the target's vocabulary), got {size}"
+
+
+def test_distill_refuses_fewer_than_one_response_per_prompt(
+    capsys: pytest.CaptureFixture[str], tiny_dir: Path, tmp_path: Path
+) -> None:
+    status, _, stderr = run_command(
+        capsys,
+        "distill",
+        "--target",
+        str(tiny_dir),
+        "--draft-vocab",
+        "8",
+        "--responses-per-prompt",
+        "0",
+        "--out",
+        str(tmp_path),
+    )
+    assert status == 2
+    assert error_line(stderr) == f"{ERROR_PREFIX}responses_per_prompt: must be >= 1, got 0"
+
+
+def test_distill_samples_every_response_past_a_prompts_first() -> None:
+    first = [resample_id("chat-0001", 0), resample_id("chat-0002", 0)]
+    further = [resample_id("chat-0001", 1), resample_id("chat-0001", 2)]
+    assert first == ["chat-0001", "chat-0002"] and len(set(further)) == 2
+    assert [sampling_for(index, first[0]).temperature for index in range(4)] == [0.0, 0.0, 0.0, 0.7]
+    assert [sampling_for(index, further[0]).temperature for index in range(4)] == [0.7] * 4
 
 
 def test_an_eagle_head_made_for_another_target_is_one_line(

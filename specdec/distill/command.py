@@ -5,6 +5,8 @@ Stages, each resumable (rerunning the same command continues where a killed one 
 1. **data** — the target answers the shipped prompt set (:mod:`specdec.distill.prompts`; ``--data FILE`` takes a
    user's own conversations instead, teacher-forced) and the shards land in the cache
    (:func:`~specdec.cache.distill_data_dir`); ``--data-minutes`` bounds this stage, shards already there count;
+   ``--responses-per-prompt R`` has the target answer each training prompt R times (all first answers before
+   any second one), the answers past the first sampled, for more data than the prompt set's one answer each;
 2. **vocabulary** — the ``--draft-vocab`` most frequent response tokens (EOS kept), fixed at the first run;
 3. **training** — :func:`specdec.distill.train.train` for ``--steps`` or ``--minutes``, with a progress bar
    (loss, held-out agreement of the head's argmax with the target's at unroll steps 1..S);
@@ -56,6 +58,12 @@ def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argpar
     parser.add_argument("--data", type=Path, help="your own conversations (JSONL, last message the assistant's)")
     parser.add_argument("--data-minutes", type=float, default=30.0, help="time budget of data generation")
     parser.add_argument("--max-tokens", type=int, default=160, help="longest generated response")
+    parser.add_argument(  # the shipped prompts run out at ~370 k response tokens; more samples add contexts
+        "--responses-per-prompt",
+        type=int,
+        default=1,
+        help="responses the target writes to each training prompt; those past the first are sampled at T=0.7",
+    )
     parser.add_argument("--batch-size", type=int, default=48, help="sequences generated together")
     parser.add_argument("--steps", type=int, help="training steps (deterministic budget)")
     parser.add_argument("--minutes", type=float, help="training time budget (default 10 when --steps is not given)")
@@ -90,6 +98,8 @@ def run_distill(args: argparse.Namespace) -> int:
         )
     if args.layers < 1:
         raise InvalidArgumentError("layers", f"must be >= 1, got {args.layers}")
+    if args.responses_per_prompt < 1:
+        raise InvalidArgumentError("responses_per_prompt", f"must be >= 1, got {args.responses_per_prompt}")
     out = (args.out or default_head_dir(args.target)).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     data_dir = distill_data_dir(args.target) if args.data is None else out / "data"
@@ -191,9 +201,14 @@ def collect_data(
         for split, rows in splits.items():
             _fill(data_dir / split, rows, teacher_force)
         return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
-    held = load_prompt_set("heldout")[: args.held_out_prompts]
+    held = [Conversation(r.id, r.messages) for r in load_prompt_set("heldout")[: args.held_out_prompts]]
     train_rows = load_prompt_set("train")
     random.Random(args.seed).shuffle(train_rows)  # a time-bounded run still sees every category
+    train_conversations = [
+        Conversation(resample_id(r.id, sample), r.messages)
+        for sample in range(args.responses_per_prompt)  # every prompt's first response before any second one
+        for r in train_rows
+    ]
 
     def generate(todo: list[Conversation], until: float | None) -> Iterator[Example]:
         prompts = [(c.id, encode_chat(target.tokenizer, c.messages)) for c in todo]
@@ -203,14 +218,14 @@ def collect_data(
             prompts,
             max_tokens=args.max_tokens,
             batch_size=args.batch_size,
-            sampling_for=_sampling_for,
+            sampling_for=lambda index: sampling_for(index, todo[index].id),
             seed=args.seed,
             deadline=until,
             fused_layers=fused_layers,
         )
 
-    _fill(data_dir / "heldout", [Conversation(r.id, r.messages) for r in held], lambda t: generate(t, None))
-    _fill(data_dir / "train", [Conversation(r.id, r.messages) for r in train_rows], lambda t: generate(t, deadline))
+    _fill(data_dir / "heldout", held, lambda t: generate(t, None))
+    _fill(data_dir / "train", train_conversations, lambda t: generate(t, deadline))
     return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
 
 
@@ -233,9 +248,20 @@ def _fill(
         bar.close()
 
 
-def _sampling_for(index: int) -> SamplingParams:
-    """Greedy for three prompts in four, temperature 0.7 for the fourth: the head sees both kinds of context."""
-    return SamplingParams(temperature=0.7) if index % 4 == 3 else SamplingParams(temperature=0.0)
+RESAMPLE_MARK = "~"
+
+
+def resample_id(prompt_id: str, sample: int) -> str:
+    """The example id of the ``sample``-th response (from 0) to a prompt: the prompt's own id for the first."""
+    return prompt_id if sample == 0 else f"{prompt_id}{RESAMPLE_MARK}{sample}"
+
+
+def sampling_for(index: int, conversation_id: str) -> SamplingParams:
+    """Settings of the ``index``-th conversation generated: a prompt's first response is greedy for three prompts
+    in four and sampled at temperature 0.7 for the fourth, so the head sees both kinds of context; every further
+    response is sampled (a second greedy one would repeat the first)."""
+    sampled = RESAMPLE_MARK in conversation_id or index % 4 == 3
+    return SamplingParams(temperature=0.7) if sampled else SamplingParams(temperature=0.0)
 
 
 def _draft_vocab(out: Path, examples: list[Example], size: int, target: LoadedModel) -> torch.Tensor:
