@@ -636,9 +636,10 @@ class Session:
         Returns (hit, rejection hit); a miss leaves the cancellation to the verdict's Commit."""
         outcome, index = select(drafted, verified)
         if outcome == "miss" or self.finish_reason is not None:
-            committed = asyncio.ensure_future(predraft.committed.wait())
-            await asyncio.wait([committed, predraft.task], return_when=asyncio.FIRST_COMPLETED)  # the Commit's ack
-            committed.cancel()
+            if not (predraft.committed.is_set() or predraft.task.done()):  # usually acknowledged long before
+                committed = asyncio.ensure_future(predraft.committed.wait())
+                await asyncio.wait([committed, predraft.task], return_when=asyncio.FIRST_COMPLETED)  # the Commit's ack
+                committed.cancel()
             self._abandon(predraft.task)
             self.stats.pipeline_misses += 1
             return False, False
