@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 import torch
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import start_drafter
+from grpc_common.server import TerminationSignal
 from specdec.errors import SpecdecError
 
 
@@ -31,14 +30,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SpecdecError, ValueError) as error:  # a bad flag, env value or model
         print(f"drafter_service: {error}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    termination = TerminationSignal()
     ready = {"address": running.address, "kind": config.kind}
     if running.metrics_address is not None:
         ready["metrics"] = running.metrics_address
     print(json.dumps(ready), flush=True)
-    stop.wait()
+    termination.wait()
     logging.getLogger(__name__).info("stopping (grace %.1fs)", config.grace_s)
     running.stop()
     return 0

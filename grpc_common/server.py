@@ -8,6 +8,8 @@ one thread each, so hundreds of concurrent streams cost no thread switches. Both
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -23,8 +25,32 @@ from grpc_common.metrics import MetricsServer, start_metrics_server
 from grpc_common.tls import PLAINTEXT, TlsConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+SIGNAL_POLL_S = 0.5
 MAX_UNACCEPTED_S = 300
 MAX_PENDING_CALLS = 100_000
+
+
+class TerminationSignal:
+    """SIGTERM and SIGINT as something a process's main thread waits for: create it (in the main thread) before the
+    process says it is ready, then :meth:`wait`.
+
+    Python runs a signal's handler in the main thread, but the kernel may deliver a process-directed signal to any
+    thread that does not block it: one of gRPC's, gloo's or torch's. A main thread parked in an untimed wait is then
+    never woken to run the handler, and the process ignores its SIGTERM (a tensor-parallel verifier rank did, once
+    in a while, until it was killed). :meth:`wait` waits in timed steps, so the handler runs within ``poll_s``
+    whichever thread the signal landed on.
+    """
+
+    def __init__(self, poll_s: float = SIGNAL_POLL_S) -> None:
+        self._received = threading.Event()
+        self._poll_s = poll_s
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self._received.set())
+
+    def wait(self) -> None:
+        """Return once SIGTERM or SIGINT has arrived."""
+        while not self._received.wait(self._poll_s):
+            pass
 
 
 @dataclass

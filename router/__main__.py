@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
-import threading
 
+from grpc_common.server import TerminationSignal
 from router.config import RouterConfig
 from router.server import start_router
 from specdec.errors import SpecdecError
@@ -26,11 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecdecError, OSError) as error:
         print(f"router: error: {error}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    termination = TerminationSignal()
     print(json.dumps({"grpc": router.grpc_address, "http": router.http_address, "model": config.model}), flush=True)
-    stop.wait()
+    termination.wait()
     router.stop()
     return 0
 

@@ -13,13 +13,13 @@ import json
 import logging
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from grpc_common.memory import fix_glibc_mmap_threshold
+from grpc_common.server import TerminationSignal
 from specdec.errors import SpecdecError
 from specdec.runner import KVRunner
 from verifier_service.config import VerifierConfig
@@ -77,14 +77,12 @@ def _tensor_parallel(config: VerifierConfig) -> int:
 
 
 def _serve_until_signal(running: RunningVerifier, config: VerifierConfig) -> None:
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    termination = TerminationSignal()
     ready = {"address": running.address, "model": config.model, "world_size": config.world_size}
     if running.metrics_address is not None:
         ready["metrics"] = running.metrics_address
     print(json.dumps(ready), flush=True)
-    stop.wait()
+    termination.wait()
     LOG.info("stopping (grace %.1fs)", config.grace_s)
     running.stop()
 
