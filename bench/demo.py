@@ -147,9 +147,9 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
 
 
 def ensure_head(head: Path | None = None) -> None:
-    """Reuse the cached head for the target, or train a small one now (the full one takes about two and a half
-    hours: one of data, 80 minutes of training). A cached head that cannot be served (one of an older layout) stops
-    the demo with the reason, before anything starts."""
+    """Reuse the cached head for the target, or train a small one now (the full one, ``FULL_HEAD_COMMAND``, takes
+    about four hours: 80 minutes of data, 140 of training). A cached head that cannot be served (one of an older
+    layout) stops the demo with the reason, before anything starts."""
     head = head or default_head_dir(TARGET)
     if (head / CONFIG_FILE).is_file():
         try:
