@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from grpc_common.arrivals import DEFAULT_FRACTION
 from grpc_common.convert import MAX_PROPOSAL_NODES
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
@@ -28,8 +29,9 @@ class DrafterConfig:
     (default: the head cached for ``target``), the other kinds use its vocabulary to validate token ids (and
     the model drafter checks that ``draft_model`` shares it). ``draft_top_k`` truncates ``q`` so it travels exactly
     as a sparse row (DESIGN §5). ``num_draft_tokens`` is the default γ when a sequence asks for 0.
-    ``max_batch_size`` caps the Propose calls one drafter call answers; the scheduler waits up to
-    ``batch_wait_ms`` after the first for more (0: takes what is queued). ``max_open_sequences`` bounds
+    ``max_batch_size`` caps the Propose calls one drafter call answers. After the first, the scheduler waits for
+    the sequences it expects back within ``arrival_wait`` of a draft's duration (:mod:`grpc_common.arrivals`; 0:
+    takes what is queued), or, with ``batch_wait_ms`` > 0, up to that long instead. ``max_open_sequences`` bounds
     state: beyond it OpenSequence answers RESOURCE_EXHAUSTED. ``metrics_port`` (None: no metrics server; 0: a
     free port) serves Prometheus series at ``http://host:metrics_port/metrics``. ``tls`` (``--tls-cert`` /
     ``--tls-key`` / ``--tls-ca``, :mod:`grpc_common.tls`) makes the gRPC port mutual TLS. ``sequence_idle_timeout_s``
@@ -51,6 +53,7 @@ class DrafterConfig:
     metrics_port: int | None = None
     max_batch_size: int = 64
     batch_wait_ms: float = 0.0
+    arrival_wait: float = DEFAULT_FRACTION
     max_open_sequences: int = 4096
     max_workers: int = 64
     device: str = "cpu"
@@ -64,6 +67,8 @@ class DrafterConfig:
     max_seq_len: int = 32768
 
     def __post_init__(self) -> None:
+        if not 0 <= self.arrival_wait <= 1:
+            raise InvalidArgumentError("arrival_wait", f"must be in [0, 1], got {self.arrival_wait}")
         if self.kind not in SERVED_KINDS:
             raise InvalidArgumentError("kind", f"must be one of {', '.join(SERVED_KINDS)}, got {self.kind!r}")
         if self.kind == "model" and not self.draft_model:
@@ -140,6 +145,7 @@ class DrafterConfig:
         option("metrics_port", parse_metrics_port, "port of the Prometheus /metrics endpoint (0: any free port)")
         option("max_batch_size", int, "most Propose calls answered by one drafter call")
         option("batch_wait_ms", float, "how long to wait for more Propose calls after the first")
+        option("arrival_wait", float, "wait for the calls expected back, as a fraction of a draft (0: never)")
         option("max_open_sequences", int, "open sequences before OpenSequence answers RESOURCE_EXHAUSTED")
         option("max_workers", int, "gRPC handler threads")
         option("device", str, "torch device of the model")

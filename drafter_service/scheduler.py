@@ -1,7 +1,7 @@
 """The drafter's scheduler: one thread owns the drafter; Propose calls from many sequences that wait together run
 as one ``drafter.propose`` call.
 
-The machinery (queue, thread, per-sequence order, cancelled jobs skipped, the batch window up to ``batch_wait_s``,
+The machinery (queue, thread, per-sequence order, cancelled jobs skipped, the wait for the calls expected back,
 stop: later calls fail with :class:`~grpc_common.scheduler.SchedulerStoppedError`) is the shared
 :class:`~grpc_common.scheduler.BatchScheduler`; here are what a Propose batch is (at most ``max_batch_size``
 sequences: each open and, when asked, assumed accepted, then one drafter call, retried job by job if it fails), the
@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from drafter_service.metrics import DrafterMetrics
+from grpc_common.arrivals import DEFAULT_FRACTION
 from grpc_common.scheduler import BatchJob, BatchScheduler
 from specdec.drafters import DraftConfig, Drafter
 from specdec.drafters.base import Proposal
@@ -89,12 +90,17 @@ class DraftScheduler(BatchScheduler[_Propose]):
         *,
         max_batch_size: int,
         batch_wait_s: float = 0.0,
+        arrival_wait: float = DEFAULT_FRACTION,
         max_open_sequences: int = 4096,
         metrics: DrafterMetrics | None = None,
         idle_timeout_s: float | None = None,
     ) -> None:
         super().__init__(
-            "drafter", max_batch_size=max_batch_size, batch_wait_s=batch_wait_s, idle_timeout_s=idle_timeout_s
+            "drafter",
+            max_batch_size=max_batch_size,
+            batch_wait_s=batch_wait_s,
+            arrival_wait=arrival_wait,
+            idle_timeout_s=idle_timeout_s,
         )
         self.drafter = drafter
         self.metrics = DrafterMetrics() if metrics is None else metrics

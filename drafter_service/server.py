@@ -76,6 +76,7 @@ def start_drafter(
         drafter,
         max_batch_size=config.max_batch_size,
         batch_wait_s=config.batch_wait_ms / 1000,
+        arrival_wait=config.arrival_wait,
         max_open_sequences=config.max_open_sequences,
         metrics=metrics,
         idle_timeout_s=config.sequence_idle_timeout_s or None,

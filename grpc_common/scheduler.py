@@ -21,19 +21,16 @@ takes every job queued when it is free and runs them as one pass:
 - Jobs submitted inside :meth:`BatchScheduler.together` (a ``Batch`` RPC's calls, :mod:`grpc_common.batch`) reach
   the thread at once, when the block ends, so a router tick's calls share one pass: the thread cannot wake for the
   first call of a Batch and start a forward without the others.
-- **When waiting pays.** By default (``batch_wait_s = 0``) a pass never waits: a forward costs about the same for
-  one sequence as for a batch (a GPU's forward is bound by reading the weights), so a call that arrives during a
-  forward is best served by the next one, which starts the moment this one ends, and the router's batching makes
-  the calls of one tick arrive together. Waiting pays only for callers that send their calls one at a time a little
-  apart, each call making the forward it misses as long again: then ``batch_wait_s`` > 0 makes the thread, after
-  the first batched job of a pass, wait up to that long for more while the batch can still grow (it holds fewer
-  than ``max_batch_size`` sequences and some open sequence has no job queued). The scheduler cannot see a sequence
-  busy elsewhere (at the other worker, in the router), so the window bounds the wait for it; a lone open sequence,
-  or a batch holding every open sequence, is never delayed. ``python -m bench.verifier_window`` (this scheduler
-  over a sleeping forward; ``bench/results/verifier-window.md``) measures it: with calls that arrive together no
-  window changes anything (the batch already holds every open sequence); with staggered calls (0-4 ms apart) and a
-  flat 15 ms forward, a 5 ms window raises rounds per second by 40-50 % (8 and 32 streams); with a forward that
-  costs 1 ms more per call, no window pays.
+- **When waiting pays.** A forward costs about the same for one sequence as for a batch (a GPU's forward is bound
+  by reading the weights), so a call that just misses a forward waits for all of it and then runs in the next. By
+  default (``arrival_wait``, :mod:`grpc_common.arrivals`) the thread learns when each sequence comes back after being
+  served. After the first batched job of a pass it waits for the open sequences expected back within
+  ``arrival_wait`` of a forward's duration, and no longer than the wait pays. A pass with nothing expected starts at
+  once: a lone stream, or the calls of one router tick, which arrive together. A fixed window ``batch_wait_s`` > 0
+  replaces that prediction: after the first batched job of a pass, the thread waits up to that long for more while
+  the batch can still grow, that is, while it holds fewer than ``max_batch_size`` sequences and some open sequence
+  has no job queued. ``python -m bench.verifier_window`` (this scheduler over a sleeping forward;
+  ``bench/results/verifier-window.md``) measures both.
 - With ``idle_trim`` the thread, once it has waited that long for a job after some work, returns the heap memory
   the model's work freed to the OS (:mod:`grpc_common.memory`).
 - With ``idle_timeout_s`` every open sequence is *leased* to the router that opened it (DESIGN §9): a sequence no
@@ -58,9 +55,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from grpc_common.arrivals import DEFAULT_FRACTION, ArrivalWait
 from grpc_common.memory import IdleTrim
 from specdec.errors import CapacityError, SpecdecError
 
@@ -83,11 +81,13 @@ class Job:
 
 @dataclass(frozen=True)
 class BatchJob(Generic[T]):
-    """A batched job: ``item`` of ``sequence_id``, run in a batch with other sequences' items."""
+    """A batched job: ``item`` of ``sequence_id``, run in a batch with other sequences' items; ``submitted`` is when
+    it was queued (monotonic)."""
 
     sequence_id: str
     item: T
     future: Future
+    submitted: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ class BatchScheduler(ABC, Generic[T]):
         *,
         max_batch_size: int,
         batch_wait_s: float = 0.0,
+        arrival_wait: float = DEFAULT_FRACTION,
         max_queued: int | None = None,
         budget: Budget[T] | None = None,
         idle_trim: IdleTrim | None = None,
@@ -128,6 +129,7 @@ class BatchScheduler(ABC, Generic[T]):
         self.idle_timeout_s = idle_timeout_s
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
+        self.arrivals = ArrivalWait(arrival_wait)  # scheduler thread only
         self.max_queued = max_queued
         self.budget = budget
         self._idle_trim = idle_trim
@@ -316,8 +318,8 @@ class BatchScheduler(ABC, Generic[T]):
 
     def _take(self) -> list:
         """Every job queued (a group from :meth:`together` counts as its jobs). With nothing carried, block for one
-        item; then, with ``batch_wait_s`` > 0, after a batched job wait up to that long for more while the batch can
-        still grow; with carried jobs, or with no window, wait for nothing."""
+        item; then, after a batched job, wait for more while it pays (the fixed ``batch_wait_s`` window, else the
+        sequences :attr:`arrivals` expects back); with carried jobs wait for nothing."""
         carrying = bool(self._carried)
         jobs: list = []
         item = None if carrying else self._queue.get() if self._idle_trim is None else self._idle_trim.get(self._queue)
@@ -326,15 +328,28 @@ class BatchScheduler(ABC, Generic[T]):
             if item is not None:
                 new = item if isinstance(item, list) else [item]
                 jobs.extend(new)
-                if deadline is None and not carrying and any(isinstance(job, BatchJob) for job in new):
-                    deadline = time.monotonic() + self.batch_wait_s
-            if jobs and jobs[-1] is _STOP:
-                return jobs
+                if jobs[-1] is _STOP:
+                    return jobs
+                for job in new:
+                    if isinstance(job, BatchJob):
+                        self.arrivals.arrived(job.sequence_id, job.submitted)
+                if not carrying and any(isinstance(job, BatchJob) for job in new):
+                    deadline = self._deadline(jobs, deadline)
             wait = 0.0 if deadline is None else deadline - time.monotonic()
             try:
                 item = self._queue.get(timeout=wait) if wait > 0 and self._can_grow(jobs) else self._queue.get_nowait()
             except queue.Empty:
                 return jobs
+
+    def _deadline(self, jobs: list[Job | BatchJob[T]], deadline: float | None) -> float:
+        """When the pass of ``jobs`` stops waiting for more: ``batch_wait_s`` after its first batched job, else when
+        :attr:`arrivals` says, never later than an earlier ``deadline``."""
+        now = time.monotonic()
+        if self.batch_wait_s > 0:
+            return now + self.batch_wait_s if deadline is None else deadline
+        present = {job.sequence_id for job in jobs}
+        until = self.arrivals.until(present, self._open_sequences(), now)
+        return until if deadline is None else min(until, deadline)
 
     def _can_grow(self, jobs: list[Job | BatchJob[T]]) -> bool:
         """Whether a batched job could still join the first batch of ``jobs``: it holds fewer than ``max_batch_size``
@@ -406,7 +421,9 @@ class BatchScheduler(ABC, Generic[T]):
         """Run the jobs of ``batch`` still wanted, if any or if carried work goes on."""
         live = [job for job in batch if job.future.set_running_or_notify_cancel()]
         if live or self._carrying:
+            started = time.monotonic()
             self._run_batch(live)
+            self.arrivals.served([job.sequence_id for job in live if job.future.done()], started, time.monotonic())
 
 
 def _settle(future: Future, run: Callable[[], Any]) -> None:

@@ -8,6 +8,7 @@ than the timeout a result is waited for, so a window that waits when it must not
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Collection, Iterator
 from concurrent.futures import Future
 
@@ -266,3 +267,50 @@ def test_jobs_submitted_together_share_one_pass_and_fail_if_the_scheduler_stoppe
         worker.stop()
     with pytest.raises(SchedulerStoppedError):
         held.result(TIMEOUT_S)
+
+
+class SleepingWorker(FakeWorker):
+    """A FakeWorker whose forward sleeps ``forward_s``, like a GPU's: as long for one sequence as for several."""
+
+    def __init__(self, forward_s: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.forward_s = forward_s
+
+    def _run_batch(self, jobs: list[BatchJob[object]]) -> None:
+        time.sleep(self.forward_s)
+        super()._run_batch(jobs)
+
+
+def run_two_streams(arrival_wait: float, rounds: int = 6) -> list[list[str]]:
+    """Streams a and b each keep one call in flight; a sends its next call at once, b 40 ms after its result (it
+    drafts first). Returns the sequences of each forward."""
+    worker = SleepingWorker(0.2, open_sequences={"a", "b"}, max_batch_size=8, arrival_wait=arrival_wait)
+    worker.start()
+
+    def stream(name: str, think_s: float) -> None:
+        for index in range(rounds):
+            worker.submit_batched(name, index).result(TIMEOUT_S)
+            time.sleep(think_s)
+
+    try:
+        with worker.together():  # the first round arrives together
+            worker.submit_batched("a", "first"), worker.submit_batched("b", "first")
+        threads = [threading.Thread(target=stream, args=args) for args in (("a", 0.0), ("b", 0.04))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+    finally:
+        worker.stop()
+    return [[name for name, _ in entry] for entry in worker.log if isinstance(entry, list)]
+
+
+def test_a_pass_waits_for_a_sequence_it_expects_back_within_a_fraction_of_a_forward() -> None:
+    forwards = run_two_streams(arrival_wait=0.5)  # waits up to 100 ms for b, due 40 ms after a forward
+    assert forwards[-4:] == [["a", "b"]] * 4  # once b's habit is learnt, every forward holds both streams
+
+
+def test_without_the_arrival_wait_a_late_stream_misses_every_forward() -> None:
+    forwards = run_two_streams(arrival_wait=0.0)  # a starts each forward alone; b waits it out, then runs alone
+    alone = [names for names in forwards[2:] if len(names) == 1]  # (a thread switch can let a and b meet once)
+    assert len(alone) >= len(forwards[2:]) - 1 >= 4

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from grpc_common.arrivals import DEFAULT_FRACTION
 from grpc_common.convert import MAX_PROPOSAL_NODES
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
@@ -24,9 +25,11 @@ class VerifierConfig:
 
     ``max_batch_size`` caps the Verify calls that share one target forward. The scheduler is a step loop
     (:mod:`grpc_common.scheduler`): a forward starts as soon as the previous one ends, with every call that has
-    arrived, and a ``Batch`` RPC's calls arrive as one group. ``batch_wait_ms`` (default 0: never wait) makes it wait
-    up to that long after the first call of a forward while some open sequence has none queued; that pays only for
-    callers that send their calls one by one a little apart (the router sends each tick's calls as one Batch).
+    arrived, and a ``Batch`` RPC's calls arrive as one group. After the first call of a forward it waits for the
+    sequences it expects back within ``arrival_wait`` of a forward's duration, no longer than that pays (0: never
+    wait; :mod:`grpc_common.arrivals`): a stream whose pre-draft missed drafts before it sends its Verify, and without
+    the wait it would miss the forward the others started. ``batch_wait_ms`` > 0 replaces that with a fixed window:
+    wait up to that long while some open sequence has no call queued.
     ``max_batch_tokens`` caps the positions of one forward (prefills of new prompts + draft nodes), so a burst of
     long new prompts is spread over several forwards instead of stalling every stream's round for one huge one.
     ``max_sequences`` bounds the open sequences (beyond it OpenSequence answers RESOURCE_EXHAUSTED) and the queued
@@ -61,6 +64,7 @@ class VerifierConfig:
     max_batch_size: int = 32
     max_batch_tokens: int = 2048
     batch_wait_ms: float = 0.0
+    arrival_wait: float = DEFAULT_FRACTION
     max_sequences: int = 256
     max_seq_len: int = 0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -78,6 +82,8 @@ class VerifierConfig:
     tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
+        if not 0 <= self.arrival_wait <= 1:
+            raise InvalidArgumentError("arrival_wait", f"must be in [0, 1], got {self.arrival_wait}")
         if self.dtype not in DTYPES:
             raise InvalidArgumentError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.port < 65536:
@@ -142,6 +148,7 @@ class VerifierConfig:
         option("max_batch_size", int, "most Verify calls in one target forward")
         option("max_batch_tokens", int, "most positions (prompt prefills + draft nodes) in one forward")
         option("batch_wait_ms", float, "how long to wait for more Verify calls after the first (0: never)")
+        option("arrival_wait", float, "wait for the calls expected back, as a fraction of a forward (0: never)")
         option("max_sequences", int, "open sequences before OpenSequence answers RESOURCE_EXHAUSTED")
         option("max_seq_len", int, "context length per sequence (0: the model's)")
         option("max_message_bytes", int, "largest gRPC message accepted or sent")

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from grpc_common.arrivals import DEFAULT_FRACTION
 from grpc_common.memory import IdleTrim
 from grpc_common.scheduler import BatchJob, BatchScheduler, Budget, Job
 from grpc_common.scheduler import SchedulerStoppedError as SchedulerStoppedError  # the servicer's UNAVAILABLE
@@ -78,6 +79,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         max_batch_size: int,
         max_queued: int,
         batch_wait_s: float = 0.0,
+        arrival_wait: float = DEFAULT_FRACTION,
         max_batch_tokens: int | None = None,
         metrics: VerifierMetrics | None = None,
         idle_trim: IdleTrim | None = None,
@@ -88,6 +90,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
             "verifier",
             max_batch_size=max_batch_size,
             batch_wait_s=batch_wait_s,
+            arrival_wait=arrival_wait,
             max_queued=max_queued,
             budget=budget,
             idle_trim=idle_trim,

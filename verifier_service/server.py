@@ -56,6 +56,7 @@ def serve(
         max_batch_tokens=config.max_batch_tokens,
         max_queued=config.max_sequences,
         batch_wait_s=config.batch_wait_ms / 1000,
+        arrival_wait=config.arrival_wait,
         metrics=metrics,
         idle_trim=IdleTrim(config.malloc_trim_idle_s, glibc_malloc_trim()),
         idle_timeout_s=config.sequence_idle_timeout_s or None,

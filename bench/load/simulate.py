@@ -30,6 +30,7 @@ from typing import Literal, TypeVar, cast
 import numpy as np
 
 from bench.services import Services
+from grpc_common.arrivals import DEFAULT_FRACTION
 from specdec import eventloop
 
 WORKER_MODULE = "bench.load.simulated"
@@ -127,7 +128,8 @@ class SimulationConfig:
     a batch as for one sequence); each sequence in a verify batch adds ``verify_per_seq_ms``. ``draft_support`` is
     the size of the sparse ``q`` row the drafters send (0: no distribution, one-hot ``q`` as an n-gram drafter
     sends); it decides the drafter kind the workers report. ``event_loop`` (None: inherited) is the
-    ``SPECDEC_EVENT_LOOP`` of every process of the stack (:mod:`specdec.eventloop`).
+    ``SPECDEC_EVENT_LOOP`` of every process of the stack (:mod:`specdec.eventloop`). ``arrival_wait`` is every
+    worker's wait for the calls it expects back, as a fraction of a batch (:mod:`grpc_common.arrivals`; 0: none).
     """
 
     acceptance: tuple[float, ...] = (0.8, 0.7, 0.6, 0.5)
@@ -146,6 +148,7 @@ class SimulationConfig:
     num_draft_tokens: int = 4
     draft_support: int = 4
     event_loop: str | None = None
+    arrival_wait: float = DEFAULT_FRACTION
 
     def __post_init__(self) -> None:
         if not self.acceptance or any(not 0.0 <= value <= 1.0 for value in self.acceptance):
@@ -284,6 +287,8 @@ def worker_args(config: SimulationConfig, role: Literal["drafter", "verifier"], 
         str(config.vocab_size),
         "--model",
         config.model,
+        "--arrival-wait",
+        f"{config.arrival_wait:g}",
     ]
     if role == "verifier":
         return [*args, "--latency", str(config.verify_latency), "--per-sequence-ms", str(config.verify_per_seq_ms)]

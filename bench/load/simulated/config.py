@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.load.simulate import LatencySpec, drafter_kind, parse_acceptance
+from grpc_common.arrivals import DEFAULT_FRACTION
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class WorkerConfig:
     draft_support: int = 4
     max_batch_size: int = 1024
     batch_wait_ms: float = 0.0
+    arrival_wait: float = DEFAULT_FRACTION
     max_sequences: int = 8192
     host: str = "127.0.0.1"
     port: int = 0
@@ -40,6 +42,8 @@ class WorkerConfig:
             raise ValueError(f"first_token_id must leave at least two ids below vocab_size {self.vocab_size}")
         if min(self.per_sequence_ms, self.batch_wait_ms, self.draft_support) < 0 or self.max_batch_size < 1:
             raise ValueError("per_sequence_ms, batch_wait_ms and draft_support must be >= 0, max_batch_size >= 1")
+        if not 0 <= self.arrival_wait <= 1:
+            raise ValueError(f"arrival_wait must be in [0, 1], got {self.arrival_wait}")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> WorkerConfig:
@@ -60,6 +64,9 @@ class WorkerConfig:
         parser.add_argument("--draft-support", type=int, default=cls.draft_support, help="q support; 0: one-hot")
         parser.add_argument("--max-batch-size", type=int, default=cls.max_batch_size)
         parser.add_argument("--batch-wait-ms", type=float, default=cls.batch_wait_ms)
+        parser.add_argument(
+            "--arrival-wait", type=float, default=cls.arrival_wait, help="wait for expected calls (fraction of a batch)"
+        )
         parser.add_argument("--max-sequences", type=int, default=cls.max_sequences)
         args = parser.parse_args(argv)
         return cls(
@@ -74,6 +81,7 @@ class WorkerConfig:
             draft_support=args.draft_support,
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
+            arrival_wait=args.arrival_wait,
             max_sequences=args.max_sequences,
             host=args.host,
             port=args.port,

@@ -1,7 +1,9 @@
 """The simulated device: one per process, batching calls as the real schedulers do.
 
-Calls queue while a batched call runs, and the next batch takes every call queued (up to ``--max-batch-size``,
-after an optional ``--batch-wait-ms``), like the real schedulers' continuous batching. A batch of ``n`` sleeps
+Calls queue while a batched call runs, and the next batch takes every call queued (up to ``--max-batch-size``),
+like the real schedulers' continuous batching: after a fixed ``--batch-wait-ms`` if one is set, else after waiting
+as the real scheduler does for the sequences it expects back (:class:`grpc_common.arrivals.ArrivalWait`,
+``--arrival-wait``). A batch of ``n`` sleeps
 ``latency + n × per_sequence_ms``, the latency drawn from ``--latency`` (see
 :class:`bench.load.simulate.LatencySpec`) with a generator seeded by ``--seed``. So the router sees batch sizes
 and latencies that grow with its load, which a fixed per-call sleep would not show.
@@ -10,15 +12,23 @@ and latencies that grow with its load, which a fixed per-call sleep would not sh
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
 from bench.load.simulate import LatencySpec
+from grpc_common.arrivals import DEFAULT_FRACTION, ArrivalWait
 
-J = TypeVar("J")
+
+class SequenceJob(Protocol):
+    @property
+    def sequence_id(self) -> str: ...
+
+
+J = TypeVar("J", bound=SequenceJob)
 R = TypeVar("R")
 
 
@@ -47,6 +57,8 @@ class Batcher(Generic[J, R]):
         rng: np.random.Generator,
         max_batch_size: int,
         batch_wait_s: float,
+        open_ids: Callable[[], Collection[str]],
+        arrival_wait: float = DEFAULT_FRACTION,
     ) -> None:
         self.decide = decide
         self.latency = latency
@@ -54,8 +66,10 @@ class Batcher(Generic[J, R]):
         self.rng = rng
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
+        self.open_ids = open_ids
+        self.arrivals = ArrivalWait(arrival_wait)
         self.calls = self.batches = self.max_batch = 0
-        self._queue: asyncio.Queue[tuple[J, asyncio.Future[Batched[R]]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[J, float, asyncio.Future[Batched[R]]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -69,16 +83,12 @@ class Batcher(Generic[J, R]):
 
     async def submit(self, job: J) -> Batched[R]:
         future: asyncio.Future[Batched[R]] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((job, future))
+        self._queue.put_nowait((job, time.monotonic(), future))
         return await future
 
     async def _loop(self) -> None:
         while True:
-            entries = [await self._queue.get()]
-            if self.batch_wait_s:
-                await asyncio.sleep(self.batch_wait_s)
-            while len(entries) < self.max_batch_size and not self._queue.empty():
-                entries.append(self._queue.get_nowait())
+            entries = await self._take()
             live = [(job, future) for job, future in entries if not future.done()]
             if not live:
                 continue
@@ -92,7 +102,9 @@ class Batcher(Generic[J, R]):
             self.calls += len(live)
             self.batches += 1
             self.max_batch = max(self.max_batch, len(live))
+            started = time.monotonic()
             await asyncio.sleep(latency_ns / 1e9)
+            self.arrivals.served([job.sequence_id for job, _ in live], started, time.monotonic())
             for (_, future), outcome in zip(live, outcomes, strict=True):
                 if future.done():
                     continue
@@ -100,3 +112,32 @@ class Batcher(Generic[J, R]):
                     future.set_exception(outcome)
                 else:
                     future.set_result(Batched(outcome, latency_ns, len(live)))
+
+    async def _take(self) -> list[tuple[J, asyncio.Future[Batched[R]]]]:
+        """The next batch: the first call to come, then every call queued after the fixed window, or once the
+        sequences expected back have arrived or the wait stops paying."""
+        entries = [self._arrive(await self._queue.get())]
+        if self.batch_wait_s:
+            await asyncio.sleep(self.batch_wait_s)
+        else:
+            deadline: float | None = None
+            while len(entries) < self.max_batch_size:
+                while not self._queue.empty() and len(entries) < self.max_batch_size:
+                    entries.append(self._arrive(self._queue.get_nowait()))
+                now = time.monotonic()
+                until = self.arrivals.until({job.sequence_id for job, _ in entries}, self.open_ids(), now)
+                deadline = until if deadline is None else min(until, deadline)
+                if deadline <= now:
+                    break
+                try:
+                    entries.append(self._arrive(await asyncio.wait_for(self._queue.get(), deadline - now)))
+                except TimeoutError:
+                    break
+        while len(entries) < self.max_batch_size and not self._queue.empty():
+            entries.append(self._arrive(self._queue.get_nowait()))
+        return entries
+
+    def _arrive(self, entry: tuple[J, float, asyncio.Future[Batched[R]]]) -> tuple[J, asyncio.Future[Batched[R]]]:
+        job, submitted, future = entry
+        self.arrivals.arrived(job.sequence_id, submitted)
+        return job, future

@@ -143,6 +143,8 @@ class SimDrafter:
             rng=np.random.default_rng(config.seed),
             max_batch_size=config.max_batch_size,
             batch_wait_s=config.batch_wait_ms / 1000,
+            open_ids=self.sequences.keys,
+            arrival_wait=config.arrival_wait,
         )
 
     def open(self, request: drafter_pb2.OpenDraftRequest) -> None:

@@ -153,6 +153,8 @@ class SimVerifier:
             rng=np.random.default_rng(config.seed),
             max_batch_size=config.max_batch_size,
             batch_wait_s=config.batch_wait_ms / 1000,
+            open_ids=self.sequences.keys,
+            arrival_wait=config.arrival_wait,
         )
 
     def open(self, sequence_id: str, prompt_ids: Sequence[int], seed: int, max_tokens: int) -> None:
