@@ -45,6 +45,7 @@ from bench.load.simulate import LatencySpec, SimulatedStack, SimulationConfig, s
 from bench.load.summary import summarize
 from bench.load.workload import RequestOptions, load_prompts
 from bench.services import process_cpu_s
+from grpc_common.arrivals import DEFAULT_FRACTION
 from specdec import eventloop
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "load.jsonl"
@@ -104,19 +105,21 @@ async def run_part(
     duration_s: float,
     log_dir: Path,
 ) -> list[dict[str, Any]]:
-    """Every stream count on every stack of ``configs`` (one per event loop), the loops' order alternating."""
+    """Every stream count on every stack of ``configs`` (one per variant: event loop, arrival wait), the variants'
+    order alternating."""
     prompts = load_prompts(PROMPTS)
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stacks:
         started = {
-            loop: stacks.enter_context(simulated_stack(config, log_dir=log_dir / loop))
-            for loop, config in configs.items()
+            label: stacks.enter_context(simulated_stack(config, log_dir=log_dir / label))
+            for label, config in configs.items()
         }
         for step, count in enumerate(streams):
             order = list(started) if step % 2 == 0 else list(reversed(started))
-            for loop in order:
-                row = await measure(started[loop], prompts, options, count, duration_s)
-                row["event_loop"] = loop
+            for label in order:
+                row = await measure(started[label], prompts, options, count, duration_s)
+                row["event_loop"] = configs[label].event_loop
+                row["arrival_wait"] = configs[label].arrival_wait
                 rows.append(row)
                 print(json.dumps(_rounded(row)), file=sys.stderr, flush=True)
     return rows
@@ -145,6 +148,10 @@ def _f(value: Any, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _wait(row: dict[str, Any]) -> str:
+    return format(row["arrival_wait"], "g")
+
+
 def markdown(document: dict[str, Any]) -> str:
     env, config = document["environment"], document["config"]
     lines = [
@@ -154,26 +161,41 @@ def markdown(document: dict[str, Any]) -> str:
         f"specdec {env['versions'].get('specdec_commit')} · grpcio {env['versions'].get('grpcio')}",
         "",
         f"Command: `{' '.join(document['command'])}`. {config['note']}",
+    ]
+    if document["overhead"]:
+        lines += _overhead_section(document)
+    if document["bound"]:
+        lines += _bound_section(document)
+    return "\n".join(lines) + "\n"
+
+
+def _overhead_section(document: dict[str, Any]) -> list[str]:
+    config = document["config"]
+    lines = [
         "",
         f"## Router CPU and overhead per round (default simulated latencies: draft {config['draft_latency']}, "
         f"verify {config['verify_latency']} + {config['verify_per_seq_ms']} ms per sequence)",
         "",
         "Targets (issue 15): router CPU ≤ 0.2 ms per round, overhead p50 ≤ 1 ms at the largest stream count.",
         "",
-        "| streams | event loop | rounds | router CPU ms / round | router CPU (cores) | overhead ms p50 / p99 "
-        "| requests/s | tokens/round | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| streams | event loop | arrival wait | rounds | router CPU ms / round | router CPU (cores) "
+        "| overhead ms p50 / p99 | requests/s | tokens/round | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in document["overhead"]:
         lines.append(
-            f"| {row['streams']} | {row['event_loop']} | {row['rounds']} | {_f(row['router_cpu_ms_per_round'], '.3f')} "
+            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['rounds']} "
+            f"| {_f(row['router_cpu_ms_per_round'], '.3f')} "
             f"| {_f(row['router_cpu_fraction'])} | {_f(row['router_overhead_ms_p50'])} / "
             f"{_f(row['router_overhead_ms_p99'])} | {_f(row['requests_per_s'], '.1f')} | "
             f"{_f(row['tokens_per_round'])} | {row['failed']} |"
         )
-    if not document["bound"]:
-        return "\n".join(lines) + "\n"
-    lines += [
+    return lines
+
+
+def _bound_section(document: dict[str, Any]) -> list[str]:
+    config = document["config"]
+    lines = [
         "",
         f"## Per-token time against the bound (draft {config['bound_draft_latency']}, verify "
         f"{config['bound_verify_latency']} per batch, flat)",
@@ -181,19 +203,30 @@ def markdown(document: dict[str, Any]) -> str:
         "Bound = max(draft, verify) / E[N] (latency means; E[N] = tokens committed per round, measured). "
         "Target (issue 15): bound / TPOT ≥ 0.9 at every stream count.",
         "",
-        "| streams | event loop | tokens/round | bound ms/token | TPOT ms mean (median) | bound / TPOT "
+        "| streams | event loop | arrival wait | tokens/round | bound ms/token | TPOT ms mean (median) | bound / TPOT "
         "| router CPU ms / round | overhead ms p50 / p99 | pipeline hit rate |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in document["bound"]:
         lines.append(
-            f"| {row['streams']} | {row['event_loop']} | {_f(row['tokens_per_round'])} | "
+            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {_f(row['tokens_per_round'])} | "
             f"{_f(row['bound_ms_per_token'])} | {_f(row['mean_tpot_ms'])} ({_f(row['median_tpot_ms'])}) | "
             f"{_f(row['bound_ratio'])} | {_f(row['router_cpu_ms_per_round'], '.3f')} | "
             f"{_f(row['router_overhead_ms_p50'])} / {_f(row['router_overhead_ms_p99'])} | "
             f"{_f(row['pipeline_hit_rate'])} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def variants(config: SimulationConfig, loops: Sequence[str], waits: Sequence[float]) -> dict[str, SimulationConfig]:
+    """``config`` with each event loop and arrival wait, by a label that names both."""
+    return {
+        f"{loop}-wait{wait:g}": replace(config, event_loop=loop, arrival_wait=wait) for loop in loops for wait in waits
+    }
+
+
+def _fractions(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part]
 
 
 def _ints(text: str) -> list[int]:
@@ -219,6 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--event-loop", type=_loops, default=["uvloop", "asyncio"], help="SPECDEC_EVENT_LOOP values, interleaved"
     )
+    parser.add_argument(
+        "--arrival-wait",
+        type=_fractions,
+        default=[DEFAULT_FRACTION],
+        help="the workers' wait for calls they expect back, as a fraction of a batch (0: none), interleaved",
+    )
     parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per configuration")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--speculation", default="pipelined", help="the requests' speculation mode")
@@ -238,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "streams": args.streams,
         "bound_streams": args.bound_streams,
         "event_loops": args.event_loop,
+        "arrival_waits": args.arrival_wait,
         "duration_s": args.duration,
         "max_tokens": args.max_tokens,
         "speculation": args.speculation,
@@ -256,13 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_dir = Path(logs)
 
         async def both() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-            loops = args.event_loop
             overhead, rows = [], []
             if args.streams:
-                configs = {loop: replace(base, event_loop=loop) for loop in loops}
+                configs = variants(base, args.event_loop, args.arrival_wait)
                 overhead = await run_part(configs, args.streams, options, args.duration, log_dir / "overhead")
             if args.bound_streams:
-                configs = {loop: replace(bound, event_loop=loop) for loop in loops}
+                configs = variants(bound, args.event_loop, args.arrival_wait)
                 rows = await run_part(configs, args.bound_streams, options, args.duration, log_dir / "bound")
             return overhead, rows
 
