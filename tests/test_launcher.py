@@ -53,7 +53,9 @@ def run_isolated_driver(arguments: str, tmp_path: Path, timeout_s: float) -> dic
 @pytest.mark.slow
 @pytest.mark.skipif(not _can_isolate_network(), reason="needs `unshare -n` (root) to keep Ray on loopback")
 def test_up_generate_status_down(tmp_path: Path) -> None:
-    report = run_isolated_driver("ngram early-exit model", tmp_path, timeout_s=1500)
+    # two kinds, one with a model and one without: the model drafter (a second 135M model drafting every token on
+    # CPU) would add minutes and nothing the launcher does differently for it
+    report = run_isolated_driver("ngram early-exit", tmp_path, timeout_s=1500)
 
     target = smollm2()
     engine = Engine(KVRunner(target.model), target.eos_token_ids)
@@ -65,12 +67,12 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
     for name, outputs in report["sdk"].items():
         assert outputs == expected, f"{name} differs from co-located target-only greedy"
     assert set(report["sdk"]) == {"none/off"} | {
-        f"{k}/{m}" for k in ("ngram", "early-exit", "model") for m in ("sequential", "pipelined")
+        f"{k}/{m}" for k in ("ngram", "early-exit") for m in ("sequential", "pipelined")
     }
     assert report["http_text"] == target.tokenizer.decode(expected[0], skip_special_tokens=True)
     routers = report["status"]["routers"]  # two, sharing the workers; the SDK's calls went to both in turn
     assert [r["health"] for r in routers] == ["SERVING"] * 2 and len({r["grpc"] for r in routers}) == 2
     assert report["status"]["router_target"] == "ipv4:" + ",".join(r["grpc"] for r in routers)
     assert sum(report["served"]) == 2 * len(report["sdk"]) + 1 and all(report["served"])
-    assert [w["health"] for w in report["status"]["workers"]] == ["SERVING"] * 4
+    assert [w["health"] for w in report["status"]["workers"]] == ["SERVING"] * 3
     assert report["state_removed"]
