@@ -219,6 +219,37 @@ def test_verifier_batches_calls_and_resolves_a_kept_row_without_a_forward() -> N
     asyncio.run(scenario())
 
 
+def _two_streams_on_a_simulated_verifier(arrival_wait: float, rounds: int = 6) -> list[int]:
+    """Streams a and b on a simulated verifier whose batch sleeps 100 ms; a sends its next call at once, b 20 ms
+    after its verdict. Returns the batch size each of b's calls ran in."""
+
+    async def scenario() -> list[int]:
+        config = WorkerConfig("verifier", (1.0,), LatencySpec("const", 100.0), arrival_wait=arrival_wait)
+        verifier = SimVerifier(config)
+        verifier.batcher.start()
+        for name in ("a", "b"):
+            verifier.open(name, [5, 6], seed=1, max_tokens=1000)
+        sizes: list[int] = []
+
+        async def stream(name: str, think_s: float, count: int) -> None:
+            for _ in range(count):
+                answer = await verifier.verify(name, common_pb2.Proposal(), defer_bonus=False)
+                if name == "b":
+                    sizes.append(answer.batch_size)
+                await asyncio.sleep(think_s)
+
+        await asyncio.gather(stream("a", 0.0, rounds + 3), stream("b", 0.02, rounds))  # a outlasts b
+        await verifier.batcher.stop()
+        return sizes
+
+    return asyncio.run(scenario())
+
+
+def test_the_simulated_device_waits_for_the_calls_it_expects_back_as_the_real_scheduler() -> None:
+    assert _two_streams_on_a_simulated_verifier(arrival_wait=1.0)[-3:] == [2, 2, 2]  # b's habit learnt: joined
+    assert _two_streams_on_a_simulated_verifier(arrival_wait=0.0)[2:].count(1) >= 3  # b misses a's forwards
+
+
 def test_same_open_seed_replays_the_same_verdicts() -> None:
     def run(seed: int) -> list[list[int]]:
         sequence = _sequence(100, seed)
