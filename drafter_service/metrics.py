@@ -25,6 +25,12 @@ class DrafterMetrics:
             buckets=log_buckets(1e-4, 10.0, 5),
             registry=registry,
         )
+        self.arrival_wait_seconds = Histogram(
+            "specdec:drafter_arrival_wait_seconds",
+            "Time a drafter call waited, after its first Propose, for the calls it expected back.",
+            buckets=log_buckets(1e-5, 1.0, 5),
+            registry=registry,
+        )
         self.proposals = Counter("specdec:drafter_proposals", "Propose calls answered.", registry=registry)
         self.draft_tokens = Counter("specdec:drafter_draft_tokens", "Tokens (tree nodes) proposed.", registry=registry)
         self.cancelled = Counter(

@@ -198,6 +198,9 @@ class DraftScheduler(BatchScheduler[_Propose]):
     def _after_pass(self) -> None:
         self.metrics.open_sequences.set(len(self._handles))
 
+    def _waited(self, seconds: float) -> None:
+        self.metrics.arrival_wait_seconds.observe(seconds)
+
     def _on_stop(self) -> None:
         for handle in self._handles.values():
             self.drafter.close(handle)

@@ -247,6 +247,9 @@ class BatchScheduler(ABC, Generic[T]):
     def _waiting(self, queued: int) -> None:
         """``queued`` batched jobs now wait (called under the submit lock)."""
 
+    def _waited(self, seconds: float) -> None:
+        """A pass of batched jobs waited ``seconds`` for more after its first (0 when it waited for none)."""
+
     def _reclaim(self, sequence_id: str) -> None:
         """Close the open ``sequence_id``, whose lease ran out, and free its state (with ``idle_timeout_s``)."""
         raise NotImplementedError(f"the {self.name} scheduler has no leases")
@@ -324,6 +327,7 @@ class BatchScheduler(ABC, Generic[T]):
         jobs: list = []
         item = None if carrying else self._queue.get() if self._idle_trim is None else self._idle_trim.get(self._queue)
         deadline = None  # set by the first batched job taken
+        first_batched = 0.0  # when it was taken
         while True:
             if item is not None:
                 new = item if isinstance(item, list) else [item]
@@ -334,11 +338,14 @@ class BatchScheduler(ABC, Generic[T]):
                     if isinstance(job, BatchJob):
                         self.arrivals.arrived(job.sequence_id, job.submitted)
                 if not carrying and any(isinstance(job, BatchJob) for job in new):
+                    first_batched = first_batched or time.monotonic()
                     deadline = self._deadline(jobs, deadline)
             wait = 0.0 if deadline is None else deadline - time.monotonic()
             try:
                 item = self._queue.get(timeout=wait) if wait > 0 and self._can_grow(jobs) else self._queue.get_nowait()
             except queue.Empty:
+                if deadline is not None:
+                    self._waited(time.monotonic() - first_batched)
                 return jobs
 
     def _deadline(self, jobs: list[Job | BatchJob[T]], deadline: float | None) -> float:

@@ -69,6 +69,7 @@ VERIFIER_NAMES = {
     "process_cpu_seconds_total",  # the process's own CPU clock (router CPU per round)
     "specdec:verifier_batch_size_bucket",
     "specdec:verifier_forward_seconds_bucket",
+    "specdec:verifier_arrival_wait_seconds_bucket",
     "specdec:verifier_verify_calls_total",
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
@@ -78,6 +79,7 @@ DRAFTER_NAMES = {
     "process_cpu_seconds_total",  # the process's own CPU clock (router CPU per round)
     "specdec:drafter_batch_size_bucket",
     "specdec:drafter_propose_seconds_bucket",
+    "specdec:drafter_arrival_wait_seconds_bucket",
     "specdec:drafter_proposals_total",
     "specdec:drafter_draft_tokens_total",
     "specdec:drafter_open_sequences",
@@ -306,11 +308,15 @@ def test_verifier_and_drafter_serve_their_own_metrics(services: Services) -> Non
     assert moved(verifier_before, verifier_after, "specdec:verifier_batch_size_count") == stats.rounds
     assert moved(verifier_before, verifier_after, "specdec:verifier_batch_size_sum") == stats.rounds
     assert moved(verifier_before, verifier_after, "specdec:verifier_forward_seconds_count") == stats.rounds
+    assert moved(verifier_before, verifier_after, "specdec:verifier_arrival_wait_seconds_count") == stats.rounds
+    waited = moved(verifier_before, verifier_after, "specdec:verifier_arrival_wait_seconds_sum")
+    assert waited < 0.005 * stats.rounds  # a lone sequence expects nobody back: its forwards start at once
     assert moved(verifier_before, verifier_after, "specdec:wire_bytes_total", direction="received") > 0
     proposals = moved(drafter_before, drafter_after, "specdec:drafter_proposals_total")
     assert proposals == moved(drafter_before, drafter_after, "specdec:drafter_batch_size_count") >= 1
     assert moved(drafter_before, drafter_after, "specdec:drafter_draft_tokens_total") == stats.draft_tokens
     assert moved(drafter_before, drafter_after, "specdec:drafter_propose_seconds_count") == proposals
+    assert moved(drafter_before, drafter_after, "specdec:drafter_arrival_wait_seconds_count") == proposals
     model = services.router.config.model  # the request's sequences are closed before its final message
     assert value(verifier_after, "vllm:num_requests_running", model_name=model) == 0
     assert value(verifier_after, "vllm:num_requests_waiting", model_name=model) == 0

@@ -283,34 +283,35 @@ class SleepingWorker(FakeWorker):
 
 def run_two_streams(arrival_wait: float, rounds: int = 6) -> list[list[str]]:
     """Streams a and b each keep one call in flight; a sends its next call at once, b 40 ms after its result (it
-    drafts first). Returns the sequences of each forward."""
+    drafts first), and a outlasts b. Returns the sequences of each forward that served b."""
     worker = SleepingWorker(0.2, open_sequences={"a", "b"}, max_batch_size=8, arrival_wait=arrival_wait)
     worker.start()
 
-    def stream(name: str, think_s: float) -> None:
-        for index in range(rounds):
+    def stream(name: str, think_s: float, count: int) -> None:
+        for index in range(count):
             worker.submit_batched(name, index).result(TIMEOUT_S)
             time.sleep(think_s)
 
     try:
         with worker.together():  # the first round arrives together
             worker.submit_batched("a", "first"), worker.submit_batched("b", "first")
-        threads = [threading.Thread(target=stream, args=args) for args in (("a", 0.0), ("b", 0.04))]
+        threads = [threading.Thread(target=stream, args=args) for args in (("a", 0.0, rounds + 3), ("b", 0.04, rounds))]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(TIMEOUT_S)
     finally:
         worker.stop()
-    return [[name for name, _ in entry] for entry in worker.log if isinstance(entry, list)]
+    forwards = [[name for name, _ in entry] for entry in worker.log if isinstance(entry, list)]
+    return [names for names in forwards if "b" in names]
 
 
 def test_a_pass_waits_for_a_sequence_it_expects_back_within_a_fraction_of_a_forward() -> None:
-    forwards = run_two_streams(arrival_wait=0.5)  # waits up to 100 ms for b, due 40 ms after a forward
-    assert forwards[-4:] == [["a", "b"]] * 4  # once b's habit is learnt, every forward holds both streams
+    served_b = run_two_streams(arrival_wait=0.5)  # waits up to 100 ms for b, due 40 ms after a forward
+    # once b's habit is learnt, b joins a's forwards (a hiccup of a loaded machine may cost it one)
+    assert sum("a" in names for names in served_b[-5:]) >= 4
 
 
 def test_without_the_arrival_wait_a_late_stream_misses_every_forward() -> None:
-    forwards = run_two_streams(arrival_wait=0.0)  # a starts each forward alone; b waits it out, then runs alone
-    alone = [names for names in forwards[2:] if len(names) == 1]  # (a thread switch can let a and b meet once)
-    assert len(alone) >= len(forwards[2:]) - 1 >= 4
+    served_b = run_two_streams(arrival_wait=0.0)  # a starts each forward alone; b waits it out, then runs alone
+    assert sum("a" in names for names in served_b[-5:]) <= 1  # (a thread switch can let a and b meet once)

@@ -29,6 +29,12 @@ class VerifierMetrics:
             buckets=log_buckets(1e-4, 10.0, 5),
             registry=registry,
         )
+        self.arrival_wait_seconds = Histogram(
+            "specdec:verifier_arrival_wait_seconds",
+            "Time a forward waited, after its first Verify call, for the calls it expected back.",
+            buckets=log_buckets(1e-5, 1.0, 5),
+            registry=registry,
+        )
         self._forward_cost = Summary(
             "specdec:verifier_forward_cost_seconds",
             "Time of one batched verification by the positions in its forward (label: the power of two at or above "

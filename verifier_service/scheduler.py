@@ -27,7 +27,8 @@ them), on the host in that dtype, until a Verify asks to stop them (its drafter 
 computes are dropped from then on).
 
 The scheduler records the service's metrics (:class:`~verifier_service.metrics.VerifierMetrics`): batch sizes
-and forward times as batches run, queued calls as they come and go, open sequences after each set of jobs.
+and forward times as batches run, the wait for calls expected back before each forward, queued calls as they come
+and go, open sequences after each set of jobs.
 """
 
 from __future__ import annotations
@@ -171,6 +172,9 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
 
     def _waiting(self, queued: int) -> None:
         self.metrics.waiting.set(queued)
+
+    def _waited(self, seconds: float) -> None:
+        self.metrics.arrival_wait_seconds.observe(seconds)
 
     def _open_sequences(self) -> Collection[str]:
         return self.verifier.sequence_ids()
