@@ -42,8 +42,15 @@ class ArrivalWait:
         self._served: dict[str, float] = {}  # sequence -> when the forward that served it ended (until it is back)
         self._gap: dict[str, float] = {}  # sequence -> average time from being served to its next arrival
 
+    @property
+    def tracked(self) -> int:
+        """Sequences whose habits are kept (open ones only: the others are forgotten as passes go by)."""
+        return len(self._served.keys() | self._gap.keys())
+
     def arrived(self, sequence_id: str, at: float) -> None:
         """A batched call of ``sequence_id`` arrived at ``at`` (a monotonic time)."""
+        if not self.fraction:
+            return
         served = self._served.pop(sequence_id, None)
         if served is None:
             return
@@ -57,7 +64,8 @@ class ArrivalWait:
         self.forward_s = duration if self.forward_s is None else self.forward_s + DECAY * (duration - self.forward_s)
         calls = 0
         for sequence_id in sequence_ids:
-            self._served[sequence_id] = ended
+            if self.fraction:  # off, nothing is waited for, and so nothing is kept that would have to be forgotten
+                self._served[sequence_id] = ended
             calls += 1
         sample = [calls, duration, calls * calls, calls * duration]
         if self._moments is None:

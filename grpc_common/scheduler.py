@@ -129,7 +129,8 @@ class BatchScheduler(ABC, Generic[T]):
         self.idle_timeout_s = idle_timeout_s
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
-        self.arrivals = ArrivalWait(arrival_wait)  # scheduler thread only
+        # scheduler thread only; a fixed window replaces it (and then nothing is tracked)
+        self.arrivals = ArrivalWait(0.0 if batch_wait_s > 0 else arrival_wait)
         self.max_queued = max_queued
         self.budget = budget
         self._idle_trim = idle_trim

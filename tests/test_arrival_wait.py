@@ -80,3 +80,16 @@ def test_where_a_forward_costs_more_per_call_joining_saves_less_and_the_wait_shr
     assert policy.until({"a"}, {"a", "b"}, now) == pytest.approx(now + 0.002)
     # five present: b's joining costs them as much as it spares b: no wait
     assert policy.until({"a", "p", "q", "r", "s"}, {"a", "b", "p", "q", "r", "s"}, now) == now
+
+
+def test_closed_sequences_are_forgotten_and_nothing_is_kept_when_the_wait_is_off() -> None:
+    policy = learnt()
+    policy.served(["c"], 0.050, 0.070)
+    assert policy.tracked == 3
+    policy.until({"a"}, {"a"}, 0.0701)  # b and c have been closed
+    assert policy.tracked == 1
+    off = ArrivalWait(0.0)
+    for index in range(100):
+        off.served([f"s{index}"], index, index + 0.02)
+        off.arrived(f"s{index}", index + 0.03)
+    assert off.tracked == 0

@@ -207,6 +207,16 @@ def test_the_window_waits_for_an_open_sequence_with_nothing_queued(make) -> None
     assert results([first, second]) == [1, 1]
 
 
+def test_a_fixed_window_replaces_the_arrival_wait_which_then_tracks_nothing(make) -> None:
+    worker = make(open_sequences={"a", "b"}, max_batch_size=8, batch_wait_s=0.001)
+    worker.start()
+    for round_ in range(3):
+        with worker.together():
+            futures = [worker.submit_batched("a", round_), worker.submit_batched("b", round_)]
+        results(futures)
+    assert worker.arrivals.fraction == 0 and worker.arrivals.tracked == 0
+
+
 def test_the_window_never_delays_a_lone_sequence_or_a_full_batch(make) -> None:
     alone = make(open_sequences={"a"}, max_batch_size=8, batch_wait_s=LONG_WINDOW_S)
     alone.start()

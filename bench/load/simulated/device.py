@@ -67,7 +67,7 @@ class Batcher(Generic[J, R]):
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.open_ids = open_ids
-        self.arrivals = ArrivalWait(arrival_wait)
+        self.arrivals = ArrivalWait(0.0 if batch_wait_s else arrival_wait)  # a fixed window replaces it
         self.calls = self.batches = self.max_batch = 0
         self._queue: asyncio.Queue[tuple[J, float, asyncio.Future[Batched[R]]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
