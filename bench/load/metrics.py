@@ -56,6 +56,13 @@ def counter_total(samples: Sequence[Sample], name: str) -> float | None:
     return sum(values) if values else None
 
 
+def histogram_mean(samples: Sequence[Sample], name: str) -> float | None:
+    """Sum / count of histogram ``name``, summed over its labels; None if it has no observations."""
+    count = counter_total(samples, f"{name}_count")
+    total = counter_total(samples, f"{name}_sum")
+    return total / count if count and total is not None else None
+
+
 def histogram_buckets(samples: Sequence[Sample], name: str) -> list[tuple[float, float]]:
     """(upper bound, cumulative count) of histogram ``name``, summed over its other labels, by bound."""
     counts: dict[float, float] = {}
