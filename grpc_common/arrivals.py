@@ -9,12 +9,16 @@ long. A fixed window (``batch_wait_s``) closes the gap but also delays every pas
 
 :class:`ArrivalWait` learns instead when each sequence comes back. Per sequence, it keeps an exponential average of
 the time from the end of the forward that served it to the arrival of its next batched call. It also keeps the
-average duration ``F`` of a forward. When a pass has its first batched call, the worker waits for the *expected*
-sequences: open, served before, not yet arrived, and due within ``fraction · F`` of now (or overdue by less than
-``F``). The pass starts as soon as they have all arrived, or when the wait stops paying. With ``a`` sequences already
-in the pass and ``m`` expected, waiting ``w`` delays the ``a`` by ``w`` each and spares each of the ``m`` about one
-forward, so the wait is capped at ``F · m / (a + m)`` as well. A pass with nothing expected, such as a lone stream or
-a tick whose calls came together, starts at once, as before.
+average duration ``F`` of a forward, and fits a forward's cost as a fixed part plus a part per call. Forwards that
+also prefill carried prompts (chunked prefill) are left out of both.
+
+When a pass has its first batched call, the worker waits for the *expected* sequences: open, served before, not yet
+arrived, and due within ``fraction · F`` of now (or overdue by less than ``F``). The pass starts as soon as they have
+all arrived, or when the wait stops paying. With ``a`` sequences already in the pass and ``m`` expected, waiting
+``w`` delays each of the ``a`` by ``w``. It spares each of the ``m`` the forward it would have waited out, less what
+its joining adds to that forward. So the wait is capped at ``(fixed − per_call · a) · m / (a + m)``: on a flat
+forward (a GPU) that is ``F · m / (a + m)``, and on a forward whose cost grows with its calls it shrinks or goes. A
+pass with nothing expected, such as a lone stream or a tick whose calls came together, starts at once, as before.
 
 Nothing here is threaded or knows gRPC. The real scheduler (:mod:`grpc_common.scheduler`) and the simulated device
 (:mod:`bench.load.simulated.device`) each keep one instance, used from their one loop. ``python -m
@@ -38,6 +42,7 @@ class ArrivalWait:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
         self.fraction = fraction
         self.forward_s: float | None = None  # average duration of a forward
+        self.timed_forwards = 0  # forwards the averages have seen
         self._moments: list[float] | None = None  # averages of n, d, n², n·d over forwards (n calls, d seconds)
         self._served: dict[str, float] = {}  # sequence -> when the forward that served it ended (until it is back)
         self._gap: dict[str, float] = {}  # sequence -> average time from being served to its next arrival
@@ -58,16 +63,17 @@ class ArrivalWait:
         previous = self._gap.get(sequence_id)
         self._gap[sequence_id] = gap if previous is None else previous + DECAY * (gap - previous)
 
-    def served(self, sequence_ids: Iterable[str], started: float, ended: float) -> None:
-        """A forward from ``started`` to ``ended`` answered ``sequence_ids``."""
-        duration = ended - started
-        self.forward_s = duration if self.forward_s is None else self.forward_s + DECAY * (duration - self.forward_s)
-        calls = 0
-        for sequence_id in sequence_ids:
-            if self.fraction:  # off, nothing is waited for, and so nothing is kept that would have to be forgotten
-                self._served[sequence_id] = ended
-            calls += 1
-        sample = [calls, duration, calls * calls, calls * duration]
+    def served(self, sequence_ids: Iterable[str], at: float) -> None:
+        """A forward that ended at ``at`` answered ``sequence_ids``."""
+        if self.fraction:  # off, nothing is waited for, and so nothing is kept that would have to be forgotten
+            for sequence_id in sequence_ids:
+                self._served[sequence_id] = at
+
+    def timed(self, calls: int, seconds: float) -> None:
+        """A forward of ``calls`` batched calls took ``seconds`` (a sample of the cost line)."""
+        self.timed_forwards += 1
+        self.forward_s = seconds if self.forward_s is None else self.forward_s + DECAY * (seconds - self.forward_s)
+        sample = [calls, seconds, calls * calls, calls * seconds]
         if self._moments is None:
             self._moments = sample
         else:

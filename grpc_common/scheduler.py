@@ -431,7 +431,10 @@ class BatchScheduler(ABC, Generic[T]):
         if live or self._carrying:
             started = time.monotonic()
             self._run_batch(live)
-            self.arrivals.served([job.sequence_id for job in live if job.future.done()], started, time.monotonic())
+            ended = time.monotonic()
+            self.arrivals.served([job.sequence_id for job in live if job.future.done()], ended)
+            if not self._carrying:  # a forward that also prefilled carried prompts tells little of a round's cost
+                self.arrivals.timed(len(live), ended - started)
 
 
 def _settle(future: Future, run: Callable[[], Any]) -> None:

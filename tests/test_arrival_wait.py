@@ -10,14 +10,20 @@ from grpc_common.arrivals import ArrivalWait
 FORWARD = 0.020
 
 
+def forward(policy: ArrivalWait, sequence_ids: list[str], started: float, ended: float) -> None:
+    """A forward from ``started`` to ``ended`` answered ``sequence_ids`` (what the scheduler tells the policy)."""
+    policy.served(sequence_ids, ended)
+    policy.timed(len(sequence_ids), ended - started)
+
+
 def learnt(fraction: float = 0.25) -> ArrivalWait:
     """a and b were served by one 20 ms forward ending at t = 0.020; a came back 0.1 ms later, b 3 ms later; both
     were then served again by a forward ending at t = 0.045."""
     policy = ArrivalWait(fraction)
-    policy.served(["a", "b"], 0.000, FORWARD)
+    forward(policy, ["a", "b"], 0.000, FORWARD)
     policy.arrived("a", FORWARD + 0.0001)
     policy.arrived("b", FORWARD + 0.003)
-    policy.served(["a", "b"], 0.025, 0.025 + FORWARD)
+    forward(policy, ["a", "b"], 0.025, 0.025 + FORWARD)
     return policy
 
 
@@ -45,16 +51,16 @@ def test_no_wait_without_an_expected_sequence() -> None:
     assert policy.until({"a"}, {"a", "b"}, 0.040 + FORWARD + 0.030) == 0.040 + FORWARD + 0.030  # b overdue by > F
     assert ArrivalWait(0.0).until({"a"}, {"a", "b"}, now) == now  # the policy is off
     fresh = ArrivalWait()
-    fresh.served(["a", "b"], 0.0, FORWARD)
+    forward(fresh, ["a", "b"], 0.0, FORWARD)
     assert fresh.until({"a"}, {"a", "b"}, 0.0201) == 0.0201  # b's habits are not known yet
 
 
 def test_a_sequence_due_later_than_the_horizon_is_not_waited_for() -> None:
     policy = ArrivalWait(0.25)
-    policy.served(["a", "b"], 0.0, FORWARD)
+    forward(policy, ["a", "b"], 0.0, FORWARD)
     policy.arrived("a", FORWARD)
     policy.arrived("b", FORWARD + 0.015)  # b drafts for 15 ms between rounds
-    policy.served(["a", "b"], 0.040, 0.040 + FORWARD)
+    forward(policy, ["a", "b"], 0.040, 0.040 + FORWARD)
     assert policy.until({"a"}, {"a", "b"}, 0.060) == 0.060
 
 
@@ -70,11 +76,11 @@ def test_where_a_forward_costs_more_per_call_joining_saves_less_and_the_wait_shr
         ids = ["b"] if index % 2 else ["b", "x", "y", "z"]
         start = index * 0.1
         end = start + 0.005 + 0.001 * len(ids)
-        policy.served(ids, start, end)
+        forward(policy, ids, start, end)
         policy.arrived("b", end + 0.001)  # b is back 1 ms after each forward
     fixed, per_call = policy.cost_line()
     assert fixed == pytest.approx(0.005) and per_call == pytest.approx(0.001)
-    policy.served(["b"], 4.0, 4.006)
+    forward(policy, ["b"], 4.0, 4.006)
     now = 4.0061  # b is due at 4.007
     # one present: joining spares b the 5 ms fixed cost less 1 ms of a's: wait up to (5 - 1) / 2 = 2 ms
     assert policy.until({"a"}, {"a", "b"}, now) == pytest.approx(now + 0.002)
@@ -84,12 +90,12 @@ def test_where_a_forward_costs_more_per_call_joining_saves_less_and_the_wait_shr
 
 def test_closed_sequences_are_forgotten_and_nothing_is_kept_when_the_wait_is_off() -> None:
     policy = learnt()
-    policy.served(["c"], 0.050, 0.070)
+    forward(policy, ["c"], 0.050, 0.070)
     assert policy.tracked == 3
     policy.until({"a"}, {"a"}, 0.0701)  # b and c have been closed
     assert policy.tracked == 1
     off = ArrivalWait(0.0)
     for index in range(100):
-        off.served([f"s{index}"], index, index + 0.02)
+        forward(off, [f"s{index}"], index, index + 0.02)
         off.arrived(f"s{index}", index + 0.03)
     assert off.tracked == 0

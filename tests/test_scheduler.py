@@ -187,6 +187,7 @@ def test_a_carried_job_makes_progress_in_the_room_batches_leave_and_its_sequence
         {},
         "stopped",
     ]
+    assert worker.arrivals.timed_forwards == 2  # the forwards that prefilled carried prompts are no cost samples
 
 
 def test_a_job_that_fails_its_carry_check_fails_alone() -> None:

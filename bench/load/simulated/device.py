@@ -104,7 +104,9 @@ class Batcher(Generic[J, R]):
             self.max_batch = max(self.max_batch, len(live))
             started = time.monotonic()
             await asyncio.sleep(latency_ns / 1e9)
-            self.arrivals.served([job.sequence_id for job, _ in live], started, time.monotonic())
+            ended = time.monotonic()
+            self.arrivals.served([job.sequence_id for job, _ in live], ended)
+            self.arrivals.timed(len(live), ended - started)
             for (_, future), outcome in zip(live, outcomes, strict=True):
                 if future.done():
                     continue
