@@ -27,7 +27,7 @@ bench.verifier_window`` measures it against fixed windows.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Set
 
 DEFAULT_FRACTION = 1.0  # of a forward: the longest a pass waits for the sequences it expects back
 DECAY = 0.25  # weight of the newest sample in the averages of a forward and of each sequence's gap
@@ -94,6 +94,8 @@ class ArrivalWait:
         soon enough that waiting for them pays, else the latest such wait. Forgets sequences no longer open."""
         if not self.fraction or not self.forward_s or not present:
             return now
+        if not isinstance(open_ids, Set):  # the verifier lists its sequences: test membership in a set, not a list
+            open_ids = set(open_ids)
         forward = self.forward_s
         horizon = now + self.fraction * forward
         due: list[float] = []
