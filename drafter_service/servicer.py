@@ -11,13 +11,14 @@ sequence's text (the prompt, and what a Commit makes of it). ``Touch`` renews le
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import grpc
 from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 from drafter_service.scheduler import Drafted, DraftScheduler, SchedulerStatus
-from grpc_common.batch import Submitted, answer_batch, check_batch_size, touched
+from grpc_common.batch import StartedBatch, Submitted, answer_batch, check_batch_size, stream_batches, touched
 from grpc_common.convert import MAX_PROPOSAL_NODES, features_from_wire, proposal_to_wire, sampling_from_wire
 from specdec.drafters import DraftConfig
 from specdec.errors import InvalidArgumentError
@@ -99,6 +100,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
         return drafter_pb2.DrafterBatchReply(results=results)
 
+    def BatchStream(
+        self, requests: Iterator[drafter_pb2.DrafterBatchRequest], context: grpc.ServicerContext
+    ) -> Iterator[drafter_pb2.DrafterBatchReplies]:
+        def start(request: drafter_pb2.DrafterBatchRequest) -> StartedBatch:
+            check_batch_size(request.calls, self.max_batch_calls)
+            return StartedBatch.start(request.calls, self._submit, together=self.scheduler.together)
+
+        def reply(request: drafter_pb2.DrafterBatchRequest, batch: StartedBatch) -> drafter_pb2.DrafterBatchReply:
+            return drafter_pb2.DrafterBatchReply(
+                results=batch.results(drafter_pb2.DrafterResult), batch_id=request.batch_id
+            )
+
+        def bundle(replies: list[drafter_pb2.DrafterBatchReply]) -> drafter_pb2.DrafterBatchReplies:
+            return drafter_pb2.DrafterBatchReplies(replies=replies)
+
+        return stream_batches(requests, start, reply, bundle, context)
+
     def _submit(self, kind: str, request: Message) -> Submitted:
         if kind == "touch":
             return touched(self.scheduler, request)
@@ -159,6 +177,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 feature_width=self.feature_width,
                 cancelled_proposals=status.cancelled,
                 feature_layers=self.feature_layers,
+                batch_stream=True,
             )
 
         return Submitted(self.scheduler.status(), reply).answer(context)

@@ -9,13 +9,20 @@ the same thing either way. The calls are submitted inside the scheduler's ``toge
 thread as one group and share its next pass (one forward) instead of the thread waking for the first call alone.
 A ``Batch`` holds at most ``max_calls`` calls (checked before any is decoded); over it the whole RPC answers
 INVALID_ARGUMENT naming ``calls``.
+
+A router sends its batches on one ``BatchStream`` per worker instead (:func:`stream_batches`): a message on an
+open stream costs both ends about half of a unary call (no call set-up, deadline timer or metadata per batch).
+Each batch starts as it arrives and is answered, with its ``batch_id``, once all its calls are done; one over a
+bound gets that error in every call's result instead, since failing the stream would fail every other batch on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Collection, Sequence
+import queue
+import threading
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -77,6 +84,73 @@ def call_error(code: grpc.StatusCode, message: str) -> common_pb2.CallError:
     return common_pb2.CallError(code=code.value[0], message=message)
 
 
+class StartedBatch:
+    """A ``Batch``'s calls, each submitted to its scheduler (or failed at once), in order: what both the unary
+    ``Batch`` and ``BatchStream`` answer from. Make one with :meth:`start` or :meth:`refused`."""
+
+    def __init__(
+        self, items: list[tuple[str, Submitted | common_pb2.CallError]], unavailable: tuple[type[BaseException], ...]
+    ) -> None:
+        self._items = items
+        self._unavailable = unavailable
+
+    @classmethod
+    def start(
+        cls,
+        calls: Sequence[Message],
+        submit: Submit,
+        unavailable: tuple[type[BaseException], ...] = (),
+        together: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> StartedBatch:
+        """Submit every call inside ``together()`` (the scheduler's :meth:`~grpc_common.scheduler.BatchScheduler.
+        together`) before any is waited for, so calls of different sequences share the scheduler's batches."""
+        items: list[tuple[str, Submitted | common_pb2.CallError]] = []
+        with together():
+            for call in calls:
+                kind = call.WhichOneof("call")
+                if kind is None:
+                    items.append(("", call_error(grpc.StatusCode.INVALID_ARGUMENT, "call: no call set")))
+                    continue
+                try:
+                    items.append((kind, submit(kind, getattr(call, kind))))
+                except Exception as error:  # this call's own failure, as its unary RPC would have reported it
+                    items.append((kind, _error_of(error, unavailable)))
+        return cls(items, unavailable)
+
+    @classmethod
+    def refused(cls, calls: Sequence[Message], error: BaseException) -> StartedBatch:
+        """A batch none of whose calls is submitted: each fails with ``error`` (a bound on the whole batch)."""
+        return cls([(call.WhichOneof("call") or "", _error_of(error, ())) for call in calls], ())
+
+    @property
+    def futures(self) -> list[Future]:
+        """The submitted jobs' Futures."""
+        return [item.future for _, item in self._items if isinstance(item, Submitted)]
+
+    def cancel(self) -> None:
+        """Drop the jobs that have not started (the caller has gone)."""
+        for future in self.futures:
+            future.cancel()
+
+    def results(self, result_type: Callable[..., Message]) -> list[Message]:
+        """One ``result_type`` per call, in order, waiting for each job: a call that failed (when submitted or when
+        run) gets a ``CallError`` with the status its own RPC would have had."""
+        results = []
+        for kind, item in self._items:
+            if isinstance(item, common_pb2.CallError):
+                results.append(result_type(error=item))
+                continue
+            try:
+                reply = item.reply(item.future.result())
+            except CancelledError:
+                results.append(result_type(error=call_error(grpc.StatusCode.CANCELLED, "the batch ended first")))
+            except Exception as error:
+                results.append(result_type(error=_error_of(error, self._unavailable)))
+            else:
+                results.append(result_type(**{kind: reply}))
+        return results
+
+
 def answer_batch(
     calls: Sequence[Message],
     submit: Submit,
@@ -85,40 +159,98 @@ def answer_batch(
     unavailable: tuple[type[BaseException], ...] = (),
     together: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> list[Message]:
-    """One ``result_type`` per call of a ``Batch`` (each call a message with a ``call`` oneof), in order.
+    """One ``result_type`` per call of a unary ``Batch`` (each call a message with a ``call`` oneof), in order
+    (:class:`StartedBatch`); if the RPC ends first, the jobs that have not started are dropped."""
+    batch = StartedBatch.start(calls, submit, unavailable, together)
+    context.add_callback(batch.cancel)
+    return batch.results(result_type)
 
-    Every call is submitted, inside ``together()`` (the scheduler's :meth:`~grpc_common.scheduler.BatchScheduler.
-    together`), before any is waited for, so calls of different sequences share the scheduler's batches.
-    A call that fails (when submitted or when run) gets a ``CallError`` with the status its own RPC would have had;
-    if the Batch RPC ends first, the jobs that have not started are dropped.
-    """
-    submitted: list[tuple[str, Submitted | common_pb2.CallError]] = []
-    with together():
-        for call in calls:
-            kind = call.WhichOneof("call")
-            if kind is None:
-                submitted.append(("", call_error(grpc.StatusCode.INVALID_ARGUMENT, "call: no call set")))
-                continue
-            try:
-                submitted.append((kind, submit(kind, getattr(call, kind))))
-            except Exception as error:  # this call's own failure, as its unary RPC would have reported it
-                submitted.append((kind, _error_of(error, unavailable)))
-    futures = [item.future for _, item in submitted if isinstance(item, Submitted)]
-    context.add_callback(lambda: [future.cancel() for future in futures])
-    results = []
-    for kind, item in submitted:
-        if isinstance(item, common_pb2.CallError):
-            results.append(result_type(error=item))
-            continue
+
+class _Ended:
+    """The request stream has ended after ``batches`` batches."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+
+def stream_batches(
+    requests: Iterator[Any],
+    start: Callable[[Any], StartedBatch],
+    reply: Callable[[Any, StartedBatch], Message],
+    bundle: Callable[[list[Message]], Message],
+    context: grpc.ServicerContext,
+) -> Iterator[Message]:
+    """The replies of a ``BatchStream``: every request is started (``start``) as soon as it arrives, on a reader
+    thread of the stream's own, and answered (``reply(request, batch)``, on the thread that writes the replies)
+    once all its jobs are done, so a slow batch never holds back a later one: a drafter must see a Commit that
+    cancels a pre-draft while that pre-draft is queued. ``start`` raising fails every call of that batch alone.
+    The batches finished by the time a message goes out travel together in it (``bundle(replies)``): one forward
+    finishes the batches of many router ticks, and the router then resumes all their sequences in one tick.
+    When the stream ends, unanswered batches are still answered; when the RPC ends first, jobs not started are
+    dropped."""
+    done: queue.SimpleQueue[tuple[Any, StartedBatch] | _Ended] = queue.SimpleQueue()
+    unanswered: set[StartedBatch] = set()
+    lock = threading.Lock()
+
+    def when_done(request: Any, batch: StartedBatch) -> None:
+        futures = batch.futures
+        remaining = [len(futures)]
+
+        def one_done(_: Future) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                done.put((request, batch))
+
+        if not futures:
+            done.put((request, batch))
+        for future in futures:
+            future.add_done_callback(one_done)
+
+    def read() -> None:
+        count = 0
         try:
-            reply = item.reply(item.future.result())
-        except CancelledError:
-            results.append(result_type(error=call_error(grpc.StatusCode.CANCELLED, "the batch ended first")))
-        except Exception as error:
-            results.append(result_type(error=_error_of(error, unavailable)))
-        else:
-            results.append(result_type(**{kind: reply}))
-    return results
+            for request in requests:
+                try:
+                    batch = start(request)
+                except Exception as error:
+                    batch = StartedBatch.refused(request.calls, error)
+                with lock:
+                    unanswered.add(batch)
+                count += 1
+                when_done(request, batch)
+        except Exception as error:  # the RPC ended (the caller cancelled or went away)
+            LOG.debug("batch stream ended: %s", error)
+        finally:
+            done.put(_Ended(count))
+
+    def cancel_unanswered() -> None:
+        with lock:
+            batches = list(unanswered)
+        for batch in batches:
+            batch.cancel()
+
+    context.add_callback(cancel_unanswered)
+    threading.Thread(target=read, name="batch-stream-reader", daemon=True).start()
+    answered, total = 0, None
+    while total is None or answered < total:
+        items = [done.get()]
+        with contextlib.suppress(queue.Empty):
+            while True:
+                items.append(done.get_nowait())
+        replies = []
+        for item in items:
+            if isinstance(item, _Ended):
+                total = item.batches
+                continue
+            request, batch = item
+            with lock:
+                unanswered.discard(batch)
+            replies.append(reply(request, batch))
+        answered += len(replies)
+        if replies:
+            yield bundle(replies)
 
 
 def _error_of(error: BaseException, unavailable: tuple[type[BaseException], ...]) -> common_pb2.CallError:

@@ -39,6 +39,8 @@ class RouterConfig:
     CA, and the bearer token is what authenticates them). Every ``sequence_keepalive_s`` the router renews the
     leases of the sequences it holds open on each worker (one Touch per worker); keep it well below the workers'
     ``--sequence-idle-timeout-s`` (default 120 s), after which a worker reclaims a sequence nobody named.
+    ``worker_streams`` sends each worker's batches on one long-lived stream (:mod:`router.calls`); off, each batch
+    is a unary RPC.
     """
 
     model: str
@@ -67,6 +69,7 @@ class RouterConfig:
     shutdown_grace_s: float = 5.0
     tls: TlsConfig = PLAINTEXT
     tls_public_client_auth: bool = True
+    worker_streams: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -154,6 +157,7 @@ class RouterConfig:
             shutdown_grace_s=args.shutdown_grace_s,
             tls=tls_from_args(dict(vars(args))),
             tls_public_client_auth=args.tls_public_client_auth,
+            worker_streams=args.worker_streams,
         )
 
 
@@ -246,6 +250,13 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=_bool(env("tls_public_client_auth")),
         help="with TLS, the public gRPC and HTTP ports also require a client certificate from --tls-ca (default: on;"
         f" env {ENV_PREFIX}TLS_PUBLIC_CLIENT_AUTH)",
+    )
+    parser.add_argument(
+        "--worker-streams",
+        action=argparse.BooleanOptionalAction,
+        default=_bool(env("worker_streams")),
+        help="send each worker's batches on one long-lived stream; off: one unary RPC per batch (default: on;"
+        f" env {ENV_PREFIX}WORKER_STREAMS)",
     )
     return parser
 

@@ -1,14 +1,15 @@
 """Drafters and verifiers over gRPC (``grpc.aio``), and the pool that places requests on them.
 
-Each worker has one channel; the calls of every session go in one ``Batch`` RPC per worker per loop tick
-(:mod:`router.batching`). Every call carries the role's deadline; a failed call raises one of the
-:mod:`router.errors` types, classified here from its status code, and nothing else about gRPC leaves this
-module. The pool chooses the healthy worker with the least outstanding sequences (ties: the one chosen least
-often), learns each drafter's kind and feature width from its ``Status`` and checks ``grpc.health.v1`` every
-``health_interval_s``; a worker that fails a call, answers a check NOT_SERVING or cannot be reached is skipped
-until a check passes again. A slow worker is not a dead one: one whose calls or checks time out is skipped only
-after ``health_timeouts_to_eject`` in a row (calls and checks count together; any answer in time resets the count),
-so one late answer under overload does not take the only verifier out of rotation.
+Each worker has one channel; the calls of every session go in one ``Batch`` per worker per loop tick
+(:mod:`router.batching`), sent on the worker's batch stream (:mod:`router.calls`). Every call carries the role's
+deadline; a failed call raises one of the :mod:`router.errors` types, classified from its status code, and nothing
+else about gRPC leaves this module and :mod:`router.calls`. The pool chooses the healthy worker with the least
+outstanding sequences (ties: the one chosen least often), learns each drafter's kind and feature width from its
+``Status`` and checks ``grpc.health.v1`` every ``health_interval_s``; a worker that fails a call, answers a check
+NOT_SERVING or cannot be reached is skipped until a check passes again. A slow worker is not a dead one: one whose
+calls or checks time out is skipped only after ``health_timeouts_to_eject`` in a row (calls and checks count
+together; any answer in time resets the count), so one late answer under overload does not take the only verifier
+out of rotation.
 
 Worker sequences are leased (DESIGN §9): a worker closes a sequence no call has named for its idle timeout. Each
 client knows the sequences the router holds open on its worker, and every ``sequence_keepalive_s`` the pool sends
@@ -20,8 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -32,66 +32,17 @@ from grpc_common.convert import proposal_nodes, sampling_to_wire, top_logprobs_f
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from grpc_common.tls import aio_channel
 from router.batching import CallBatcher
+from router.calls import BatchTransport, Worker, call_failure
 from router.config import RouterConfig
-from router.errors import WorkerBusyError, WorkerError, WorkerRejectedError, WorkerUnavailableError
+from router.errors import WorkerError, WorkerRejectedError, WorkerUnavailableError
 from router.pipeline import Commit, Drafted, DrafterClient, SequenceSpec, Verified, VerifierClient
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_REJECTED = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.OUT_OF_RANGE,
-}
-
-
-_CODE_OF_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-
 # What verifiers are asked to send feature rows in: bfloat16, float32's range in half the bytes. Raw layer rows
 # (EAGLE-3) carry massive activations (22 500 on SmolLM2's layer 14; more on larger targets) near float16's 65 504.
 FEATURE_DTYPE = common_pb2.FEATURE_DTYPE_BFLOAT16
-
-
-def worker_error(address: str, code: grpc.StatusCode, details: str) -> WorkerError:
-    """The :mod:`router.errors` type for a failed call: refused arguments, busy, or unavailable (all else)."""
-    if code in _REJECTED:
-        return WorkerRejectedError(address, code.name, details)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return WorkerBusyError(address, code.name, details)
-    return WorkerUnavailableError(address, code.name, details)
-
-
-def call_failure(address: str, error: common_pb2.CallError) -> WorkerError:
-    """The :mod:`router.errors` type for one failed call of a ``Batch``."""
-    return worker_error(address, _CODE_OF_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
-
-
-@dataclass
-class Worker:
-    """One worker as the router sees it."""
-
-    role: str  # "drafter" or "verifier"
-    address: str
-    channel: grpc.aio.Channel
-    deadline_s: float
-    healthy: bool = False
-    outstanding: int = 0
-    chosen: int = 0
-    kind: str | None = None  # drafters: ngram, model, early-exit or eagle, once known
-    feature_width: int = 0  # drafters: width of the target feature rows it drafts from (0: none), once known
-    feature_layers: tuple[int, ...] = ()  # drafters: the target layers of those rows (empty: the final norm's)
-    timeouts: int = 0  # consecutive calls and health checks that timed out
-
-    async def call(self, method: Callable[..., Awaitable[T]], request: object, deadline_s: float | None = None) -> T:
-        """``method(request)`` with the deadline; a failure becomes a WorkerError. Counts consecutive timeouts."""
-        try:
-            reply = await method(request, timeout=deadline_s or self.deadline_s)
-        except grpc.aio.AioRpcError as error:
-            self.timeouts = self.timeouts + 1 if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 0
-            raise worker_error(self.address, error.code(), error.details() or "") from None
-        self.timeouts = 0
-        return reply
 
 
 class WorkerClient:
@@ -105,26 +56,26 @@ class WorkerClient:
     def __init__(
         self,
         worker: Worker,
-        batch_method: Callable[..., Awaitable[Any]],
-        batch_request: Callable[..., Any],
+        transport: BatchTransport,
         call_type: Callable[..., Any],
         weight: Callable[[Any], int] | None = None,
     ) -> None:
         self.worker = worker
         self.address = worker.address
-        self._batch_method = batch_method
-        self._batch_request = batch_request
+        self.transport = transport
         self._call_type = call_type
-        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, self._send, weight=weight)
+        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, transport.send, weight=weight)
         self.open_sequences: set[str] = set()  # opened (or being opened) here and not yet closed: leases to renew
-
-    async def _send(self, calls: list[Any]) -> Sequence[Any]:
-        reply = await self.worker.call(self._batch_method, self._batch_request(calls=calls))
-        return reply.results
+        self.status_known = False  # what the worker's Status tells (kind, batch stream) has been learnt
 
     async def _call(self, kind: str, call: Any) -> Any:
         """``call`` in this tick's Batch; its reply (the ``kind`` field of its result), or its failure raised."""
         return self._result(kind, await self.batcher.submit(call))
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """End the batch stream and close the channel."""
+        await self.transport.close()
+        await self.worker.channel.close(grace)
 
     def _result(self, kind: str, result: Any) -> Any:
         if result.WhichOneof("result") == "error":
@@ -144,9 +95,10 @@ C = TypeVar("C", bound=WorkerClient)
 class GrpcDrafter(WorkerClient):
     """:class:`~router.pipeline.DrafterClient` over the ``specdec.v1.Drafter`` service; calls go in Batch RPCs."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, streams: bool = True) -> None:
         stub = drafter_pb2_grpc.DrafterStub(worker.channel)
-        super().__init__(worker, stub.Batch, drafter_pb2.DrafterBatchRequest, drafter_pb2.DrafterCall)
+        transport = BatchTransport(worker, stub.BatchStream, stub.Batch, drafter_pb2.DrafterBatchRequest, streams)
+        super().__init__(worker, transport, drafter_pb2.DrafterCall)
 
     @property
     def feature_width(self) -> int:
@@ -159,6 +111,15 @@ class GrpcDrafter(WorkerClient):
     @property
     def kind(self) -> str | None:
         return self.worker.kind
+
+    async def learn_status(self, deadline_s: float) -> None:
+        """Learn the drafter's kind, the feature rows it drafts from and whether it answers a batch stream."""
+        stub = drafter_pb2_grpc.DrafterStub(self.worker.channel)
+        status = await self.worker.call(stub.Status, drafter_pb2.DrafterStatusRequest(), deadline_s)
+        worker = self.worker
+        worker.kind, worker.feature_width = status.kind or None, status.feature_width
+        worker.feature_layers, worker.batch_stream = tuple(status.feature_layers), status.batch_stream
+        self.status_known = True
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         shape = drafter_pb2.DraftShape(
@@ -252,11 +213,22 @@ def _commit_call(
 class GrpcVerifier(WorkerClient):
     """:class:`~router.pipeline.VerifierClient` over the ``specdec.v1.Verifier`` service; calls go in Batch RPCs."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, streams: bool = True) -> None:
         stub = verifier_pb2_grpc.VerifierStub(worker.channel)
-        super().__init__(
-            worker, stub.Batch, verifier_pb2.VerifierBatchRequest, verifier_pb2.VerifierCall, _proposal_nodes
-        )
+        transport = BatchTransport(worker, stub.BatchStream, stub.Batch, verifier_pb2.VerifierBatchRequest, streams)
+        super().__init__(worker, transport, verifier_pb2.VerifierCall, _proposal_nodes)
+
+    async def learn_status(self, deadline_s: float) -> None:
+        """Learn whether the verifier answers a batch stream; one whose Status fails is asked again at the next
+        check, and meanwhile gets unary batches (nothing else depends on it: it stays in rotation)."""
+        stub = verifier_pb2_grpc.VerifierStub(self.worker.channel)
+        try:
+            status = await self.worker.call(stub.Status, verifier_pb2.VerifierStatusRequest(), deadline_s)
+        except WorkerError as error:
+            LOG.debug("status of verifier %s failed: %s", self.address, error)
+            return
+        self.worker.batch_stream = status.batch_stream
+        self.status_known = True
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
         request = verifier_pb2.OpenVerifyRequest(
@@ -334,8 +306,9 @@ class WorkerPool:
         """Open a channel per worker (mutual TLS with ``config.tls``: calls and health checks alike), check every
         worker once, then keep checking in the background."""
         pool = cls(config, [], [])
-        pool.drafters = [GrpcDrafter(pool._worker("drafter", address)) for address in config.drafters]
-        pool.verifiers = [GrpcVerifier(pool._worker("verifier", address)) for address in config.verifiers]
+        streams = config.worker_streams
+        pool.drafters = [GrpcDrafter(pool._worker("drafter", address), streams) for address in config.drafters]
+        pool.verifiers = [GrpcVerifier(pool._worker("verifier", address), streams) for address in config.verifiers]
         await pool.check_health()
         pool._health_task = asyncio.ensure_future(pool._health_loop())
         pool._keepalive_task = asyncio.ensure_future(pool._keepalive_loop())
@@ -366,13 +339,13 @@ class WorkerPool:
             clients[:] = [client for client in clients if client.address in wanted]
             for address in dict.fromkeys(wanted):
                 if address not in present:
-                    client = make(self._worker(role, address))
+                    client = make(self._worker(role, address), self.config.worker_streams)
                     clients.append(client)
                     added.append(client)
         for client in removed:
             client.worker.healthy = False
         await asyncio.gather(*(self._check(client) for client in added))
-        await asyncio.gather(*(client.worker.channel.close(grace=None) for client in removed))
+        await asyncio.gather(*(client.shutdown() for client in removed))
         if added or removed:
             LOG.info("worker set: +%s -%s", [c.address for c in added], [c.address for c in removed])
             self._health_changed()
@@ -387,7 +360,7 @@ class WorkerPool:
     async def close(self) -> None:
         """Stop health checks and close every channel."""
         await self.stop_health_checks()
-        await asyncio.gather(*(client.worker.channel.close() for client in self._clients()))
+        await asyncio.gather(*(client.shutdown() for client in self._clients()))
 
     def _clients(self) -> list[GrpcDrafter | GrpcVerifier]:
         return [*self.drafters, *self.verifiers]
@@ -460,11 +433,8 @@ class WorkerPool:
             health = health_pb2_grpc.HealthStub(worker.channel)
             reply = await worker.call(health.Check, health_pb2.HealthCheckRequest(service=""), deadline)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if serving and isinstance(client, GrpcDrafter) and worker.kind is None:
-                stub = drafter_pb2_grpc.DrafterStub(worker.channel)
-                status = await worker.call(stub.Status, drafter_pb2.DrafterStatusRequest(), deadline)
-                worker.kind, worker.feature_width = status.kind or None, status.feature_width
-                worker.feature_layers = tuple(status.feature_layers)
+            if serving and not client.status_known:
+                await client.learn_status(deadline)
         except WorkerError as error:
             LOG.debug("health check of %s failed: %s", worker.address, error)
             serving = False

@@ -12,7 +12,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -29,7 +29,7 @@ from specdec_wire.v1 import (
 )
 from transformers import PreTrainedTokenizerBase
 
-from grpc_common.batch import Submit, Submitted, answer_batch
+from grpc_common.batch import StartedBatch, Submitted, stream_batches
 from grpc_common.convert import sampling_from_wire, tree_from_wire, tree_to_wire
 from grpc_common.server import RunningServer, start_server
 from router.config import RouterConfig
@@ -93,14 +93,32 @@ class FakeVerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.CloseVerifyReply()
 
     def Status(self, request, context):
-        return verifier_pb2.VerifierStatusReply(model="fake", open_sequences=len(self.fake.sequences))
+        return verifier_pb2.VerifierStatusReply(
+            model="fake", open_sequences=len(self.fake.sequences), batch_stream=True
+        )
 
     def Batch(self, request, context):
-        if any(call.WhichOneof("call") == "verify" for call in request.calls):
-            time.sleep(self.delay_s)  # one batched forward for all of them
-        handlers = {"open": self.OpenSequence, "verify": self._verify, "close": self.CloseSequence}
-        results = answer_batch(request.calls, answer_now(handlers, context), verifier_pb2.VerifierResult, context)
+        results = self._start(request, context).results(verifier_pb2.VerifierResult)
         return verifier_pb2.VerifierBatchReply(results=results)
+
+    def BatchStream(self, requests, context):
+        def reply(request, batch: StartedBatch) -> verifier_pb2.VerifierBatchReply:
+            return verifier_pb2.VerifierBatchReply(
+                results=batch.results(verifier_pb2.VerifierResult), batch_id=request.batch_id
+            )
+
+        def bundle(replies) -> verifier_pb2.VerifierBatchReplies:
+            return verifier_pb2.VerifierBatchReplies(replies=replies)
+
+        def start(request) -> StartedBatch:
+            return self._start(request, context)
+
+        return stream_batches(requests, start, reply, bundle, context)
+
+    def _start(self, request, context) -> StartedBatch:
+        verifies = any(call.WhichOneof("call") == "verify" for call in request.calls)
+        handlers = {"open": self.OpenSequence, "verify": self._verify, "close": self.CloseSequence}
+        return start_in_order(request.calls, handlers, context, self.delay_s if verifies else 0.0)  # one forward
 
 
 class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -150,33 +168,52 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.CloseDraftReply()
 
     def Status(self, request, context):
-        return drafter_pb2.DrafterStatusReply(kind="ngram", open_sequences=len(self.fake.sequences))
+        return drafter_pb2.DrafterStatusReply(kind="ngram", open_sequences=len(self.fake.sequences), batch_stream=True)
 
     def Batch(self, request, context):
-        if any(call.WhichOneof("call") == "propose" for call in request.calls):
-            time.sleep(self.delay_s)  # one batched draft step for all of them
+        results = self._start(request, context).results(drafter_pb2.DrafterResult)
+        return drafter_pb2.DrafterBatchReply(results=results)
+
+    def BatchStream(self, requests, context):
+        def reply(request, batch: StartedBatch) -> drafter_pb2.DrafterBatchReply:
+            return drafter_pb2.DrafterBatchReply(
+                results=batch.results(drafter_pb2.DrafterResult), batch_id=request.batch_id
+            )
+
+        def bundle(replies) -> drafter_pb2.DrafterBatchReplies:
+            return drafter_pb2.DrafterBatchReplies(replies=replies)
+
+        def start(request) -> StartedBatch:
+            return self._start(request, context)
+
+        return stream_batches(requests, start, reply, bundle, context)
+
+    def _start(self, request, context) -> StartedBatch:
+        proposes = any(call.WhichOneof("call") == "propose" for call in request.calls)
         handlers = {
             "open": self.OpenSequence,
             "propose": self._propose,
             "commit": self.Commit,
             "close": self.CloseSequence,
         }
-        results = answer_batch(request.calls, answer_now(handlers, context), drafter_pb2.DrafterResult, context)
-        return drafter_pb2.DrafterBatchReply(results=results)
+        return start_in_order(request.calls, handlers, context, self.delay_s if proposes else 0.0)  # one draft step
 
 
-def answer_now(handlers: dict[str, Callable], context: grpc.ServicerContext) -> Submit:
-    """A ``Batch`` submit function that runs each call's fake handler at once, in order."""
+def start_in_order(
+    calls, handlers: dict[str, Callable], context: grpc.ServicerContext, delay_s: float = 0.0
+) -> StartedBatch:
+    """A batch whose calls run one after another (after ``delay_s``) on a thread of the batch's own, as a real
+    worker's scheduler runs them: submitting never blocks, so a call that waits (a held pre-draft) holds back only
+    its own batch, never the reading of the next one on a batch stream."""
+    runner = ThreadPoolExecutor(max_workers=1)
+    runner.submit(time.sleep, delay_s)
 
     def submit(kind: str, request) -> Submitted:
-        future: Future = Future()
-        try:
-            future.set_result(handlers[kind](request, context))
-        except Exception as error:
-            future.set_exception(error)
-        return Submitted(future, lambda reply: reply)
+        return Submitted(runner.submit(handlers[kind], request, context), lambda reply: reply)
 
-    return submit
+    batch = StartedBatch.start(calls, submit)
+    runner.shutdown(wait=False)  # the thread ends once the batch's calls have run
+    return batch
 
 
 def serve_verifier(fake: FakeVerifier, delay_s: float = 0.0) -> RunningServer:

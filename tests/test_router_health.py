@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
 
+from bench.load.simulated.server import stream_batches
 from router.config import RouterConfig
 from router.errors import WorkerUnavailableError
 from router.workers import WorkerPool
@@ -98,7 +99,16 @@ class LateVerifier(verifier_pb2_grpc.VerifierServicer):
         if self.late:
             await asyncio.sleep(2 * DEADLINE_S)
         results = [verifier_pb2.VerifierResult(close=verifier_pb2.CloseVerifyReply()) for _ in request.calls]
-        return verifier_pb2.VerifierBatchReply(results=results)
+        return verifier_pb2.VerifierBatchReply(results=results, batch_id=request.batch_id)
+
+    async def BatchStream(self, requests, context):
+        """Each batch answered as ``Batch`` answers it, independently: a late one holds back no later one."""
+        bundle = verifier_pb2.VerifierBatchReplies
+        async for replies in stream_batches(requests, lambda request: self.Batch(request, context), bundle):
+            yield replies
+
+    async def Status(self, request, context) -> verifier_pb2.VerifierStatusReply:
+        return verifier_pb2.VerifierStatusReply(model="m", batch_stream=True)
 
 
 async def _slow_calls() -> list[bool]:

@@ -71,6 +71,42 @@ def test_verifier_batch_answers_each_call_as_its_own_rpc_would() -> None:
         running.stop(grace_s=0)
 
 
+def test_verifier_batch_stream_answers_batches_by_id_and_refuses_an_oversized_one_alone() -> None:
+    target = tiny_llama(seed=22, vocab_size=VOCAB, num_layers=2)
+    truth = hf_greedy(target, PROMPT, 2)
+    config = VerifierConfig(max_batch_size=16, max_sequences=8, max_seq_len=64, max_batch_calls=3)
+    running = start_verifier(config, model=target)
+    close = verifier_pb2.VerifierCall(close=verifier_pb2.CloseVerifyRequest(sequence_id="b"))
+    batches = [
+        [
+            verifier_pb2.VerifierCall(open=open_request("a", PROMPT)),
+            verifier_pb2.VerifierCall(open=open_request("b", PROMPT)),
+        ],
+        [verify_call("a"), verify_call("b", truth[:1])],  # after the opens: batches start in the order they arrive
+        [close] * 4,  # over the bound: every call refused, the stream and the other batches unharmed
+        [verify_call("a")],
+    ]
+    requests = [verifier_pb2.VerifierBatchRequest(calls=calls, batch_id=10 + i) for i, calls in enumerate(batches)]
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            assert stub.Status(verifier_pb2.VerifierStatusRequest(), timeout=TIMEOUT_S).batch_stream
+            replies = {
+                reply.batch_id: [result for result in reply.results]
+                for message in stub.BatchStream(iter(requests), timeout=TIMEOUT_S)
+                for reply in message.replies
+            }
+        assert sorted(replies) == [10, 11, 12, 13]
+        assert [result.WhichOneof("result") for result in replies[10]] == ["open", "open"]
+        assert list(replies[11][0].verify.verdict.emitted) == truth[:1]
+        assert list(replies[11][1].verify.verdict.emitted) == truth
+        assert all(result.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for result in replies[12])
+        assert "calls" in replies[12][0].error.message and len(replies[12]) == 4
+        assert list(replies[13][0].verify.verdict.emitted) == truth[1:2]
+    finally:
+        running.stop(grace_s=0)
+
+
 def test_drafter_batch_keeps_a_sequences_calls_in_order() -> None:
     target = tiny_llama(seed=51, vocab_size=VOCAB, num_layers=2)
     draft = tiny_draft(target, seed=52, num_layers=1, noise=0.2)

@@ -13,11 +13,13 @@ asked for (:func:`~grpc_common.convert.features_to_wire`), until a Verify says `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grpc
 from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
-from grpc_common.batch import Submitted, answer_batch, check_batch_size, touched
+from grpc_common.batch import StartedBatch, Submitted, answer_batch, check_batch_size, stream_batches, touched
 from grpc_common.convert import (
     MAX_PROPOSAL_NODES,
     feature_dtype_from_wire,
@@ -75,10 +77,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def Batch(
         self, request: verifier_pb2.VerifierBatchRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.VerifierBatchReply:
-        check_batch_size(request.calls, self.max_batch_calls)
-        nodes = sum(proposal_nodes(call.verify.proposal) for call in request.calls if call.HasField("verify"))
-        if nodes > self.max_batch_nodes:
-            raise InvalidArgumentError("calls", f"{nodes} proposal nodes in one Batch; at most {self.max_batch_nodes}")
+        self._check_batch(request)
         results = answer_batch(
             request.calls,
             self._submit,
@@ -88,6 +87,29 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             together=self.scheduler.together,
         )
         return verifier_pb2.VerifierBatchReply(results=results)
+
+    def BatchStream(
+        self, requests: Iterator[verifier_pb2.VerifierBatchRequest], context: grpc.ServicerContext
+    ) -> Iterator[verifier_pb2.VerifierBatchReplies]:
+        def start(request: verifier_pb2.VerifierBatchRequest) -> StartedBatch:
+            self._check_batch(request)
+            return StartedBatch.start(request.calls, self._submit, _UNAVAILABLE, self.scheduler.together)
+
+        def reply(request: verifier_pb2.VerifierBatchRequest, batch: StartedBatch) -> verifier_pb2.VerifierBatchReply:
+            return verifier_pb2.VerifierBatchReply(
+                results=batch.results(verifier_pb2.VerifierResult), batch_id=request.batch_id
+            )
+
+        def bundle(replies: list[verifier_pb2.VerifierBatchReply]) -> verifier_pb2.VerifierBatchReplies:
+            return verifier_pb2.VerifierBatchReplies(replies=replies)
+
+        return stream_batches(requests, start, reply, bundle, context)
+
+    def _check_batch(self, request: verifier_pb2.VerifierBatchRequest) -> None:
+        check_batch_size(request.calls, self.max_batch_calls)
+        nodes = sum(proposal_nodes(call.verify.proposal) for call in request.calls if call.HasField("verify"))
+        if nodes > self.max_batch_nodes:
+            raise InvalidArgumentError("calls", f"{nodes} proposal nodes in one Batch; at most {self.max_batch_nodes}")
 
     def _submit(self, kind: str, request: Message) -> Submitted:
         if kind == "touch":
@@ -144,6 +166,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 open_sequences=status.open_sequences,
                 runner_sequences=status.runner_sequences,
                 world_size=self.world_size,
+                batch_stream=True,
             )
 
         return Submitted(self.scheduler.status(), reply).answer(context, _UNAVAILABLE)

@@ -130,6 +130,7 @@ class SimulationConfig:
     sends); it decides the drafter kind the workers report. ``event_loop`` (None: inherited) is the
     ``SPECDEC_EVENT_LOOP`` of every process of the stack (:mod:`specdec.eventloop`). ``arrival_wait`` is every
     worker's wait for the calls it expects back, as a fraction of a batch (:mod:`grpc_common.arrivals`; 0: none).
+    ``worker_streams`` False: the routers send every batch as a unary RPC instead of on a stream (:mod:`router.calls`).
     """
 
     acceptance: tuple[float, ...] = (0.8, 0.7, 0.6, 0.5)
@@ -149,6 +150,7 @@ class SimulationConfig:
     draft_support: int = 4
     event_loop: str | None = None
     arrival_wait: float = DEFAULT_FRACTION
+    worker_streams: bool = True
 
     def __post_init__(self) -> None:
         if not self.acceptance or any(not 0.0 <= value <= 1.0 for value in self.acceptance):
@@ -334,6 +336,8 @@ def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[Simu
             router_args += ["--drafter", address]
         if config.num_drafters:
             router_args += ["--default-drafter", config.drafter_kind]
+        if not config.worker_streams:
+            router_args.append("--no-worker-streams")
         names = ["router"] if config.num_routers == 1 else [f"router-{index}" for index in range(config.num_routers)]
         routers = [services.spawn(name, "router", router_args, env) for name in names]
         ready = [router.wait_ready(120.0) for router in routers]

@@ -13,7 +13,7 @@ import functools
 import json
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -66,6 +66,50 @@ async def _answer_batch(
         return result_type(**{kind: reply})
 
     return list(await asyncio.gather(*(run(call) for call in calls)))
+
+
+async def stream_batches(
+    requests: AsyncIterator[Any], answer: Callable[[Any], Awaitable[Any]], bundle: Callable[..., Any]
+) -> AsyncIterator[Any]:
+    """The replies of a ``grpc.aio`` ``BatchStream``, as :func:`grpc_common.batch.stream_batches` gives them on the
+    real (threaded) services: every batch starts as it arrives (``answer(request)``, which names its ``batch_id``)
+    and is answered as it finishes, those finished together in one message (``bundle(replies=[...])``); when the
+    request stream ends, the batches still running are answered first."""
+    done: asyncio.Queue[asyncio.Task[Any] | int] = asyncio.Queue()
+    running: set[asyncio.Task[Any]] = set()
+
+    async def read() -> None:
+        count = 0
+        try:
+            async for request in requests:
+                task = asyncio.ensure_future(answer(request))
+                running.add(task)
+                task.add_done_callback(done.put_nowait)
+                count += 1
+        finally:
+            done.put_nowait(count)
+
+    reader = asyncio.ensure_future(read())
+    answered, total = 0, None
+    try:
+        while total is None or answered < total:
+            items = [await done.get()]
+            while not done.empty():
+                items.append(done.get_nowait())
+            replies = []
+            for item in items:
+                if isinstance(item, int):
+                    total = item
+                    continue
+                running.discard(item)
+                replies.append(item.result())
+            answered += len(replies)
+            if replies:
+                yield bundle(replies=replies)
+    finally:
+        reader.cancel()
+        for task in running:
+            task.cancel()
 
 
 def _mapped(handler: Handler) -> Handler:
@@ -131,7 +175,14 @@ class SimVerifierServicer(verifier_pb2_grpc.VerifierServicer):
         cls = type(self)
         handlers = {"open": cls.OpenSequence, "verify": cls.Verify, "close": cls.CloseSequence, "touch": cls.Touch}
         results = await _answer_batch(request.calls, handlers, self, verifier_pb2.VerifierResult)
-        return verifier_pb2.VerifierBatchReply(results=results)
+        return verifier_pb2.VerifierBatchReply(results=results, batch_id=request.batch_id)
+
+    async def BatchStream(
+        self, requests: AsyncIterator[verifier_pb2.VerifierBatchRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[verifier_pb2.VerifierBatchReplies]:
+        answer = functools.partial(self.Batch, context=context)
+        async for replies in stream_batches(requests, answer, verifier_pb2.VerifierBatchReplies):
+            yield replies
 
     @_mapped
     async def Status(
@@ -139,7 +190,11 @@ class SimVerifierServicer(verifier_pb2_grpc.VerifierServicer):
     ) -> verifier_pb2.VerifierStatusReply:
         count = len(self.verifier.sequences)
         return verifier_pb2.VerifierStatusReply(
-            model=self.verifier.config.model, open_sequences=count, runner_sequences=count, world_size=1
+            model=self.verifier.config.model,
+            open_sequences=count,
+            runner_sequences=count,
+            world_size=1,
+            batch_stream=True,
         )
 
 
@@ -196,7 +251,14 @@ class SimDrafterServicer(drafter_pb2_grpc.DrafterServicer):
             "touch": cls.Touch,
         }
         results = await _answer_batch(request.calls, handlers, self, drafter_pb2.DrafterResult)
-        return drafter_pb2.DrafterBatchReply(results=results)
+        return drafter_pb2.DrafterBatchReply(results=results, batch_id=request.batch_id)
+
+    async def BatchStream(
+        self, requests: AsyncIterator[drafter_pb2.DrafterBatchRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[drafter_pb2.DrafterBatchReplies]:
+        answer = functools.partial(self.Batch, context=context)
+        async for replies in stream_batches(requests, answer, drafter_pb2.DrafterBatchReplies):
+            yield replies
 
     @_mapped
     async def Status(
@@ -210,6 +272,7 @@ class SimDrafterServicer(drafter_pb2_grpc.DrafterServicer):
             proposals=batcher.calls,
             batches=batcher.batches,
             max_batch=batcher.max_batch,
+            batch_stream=True,
         )
 
 
