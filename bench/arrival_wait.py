@@ -1,8 +1,11 @@
-"""The workers' arrival wait on the real stack: concurrent streams with the wait off and on, interleaved.
+"""The workers' arrival wait (or the router's worker transport) on the real stack: concurrent streams with two
+settings, interleaved.
 
 Two stacks run side by side on 127.0.0.1, each a ``python -m verifier_service``, a ``python -m drafter_service``
-(``--drafter-kind``) and a ``python -m router``. They differ only in the workers' ``--arrival-wait``: 0 (a forward
-starts with whatever has arrived) or ``--arrival-wait`` (default 1, :mod:`grpc_common.arrivals`). Each step sends
+(``--drafter-kind``) and a ``python -m router``. They differ only in what ``--compare`` names: ``arrival-wait``,
+the workers' ``--arrival-wait`` 0 (a forward starts with whatever has arrived) or ``--arrival-wait`` (default 1,
+:mod:`grpc_common.arrivals`); ``transport``, the router's batches as unary RPCs (``--no-worker-streams``) or on one
+stream per worker (the default, :mod:`router.calls`). Each step sends
 one wave of ``--streams`` concurrent requests through the SDK, one request per stream and all the same length
 (``ignore_eos``, ``--max-tokens``), to one stack. Speculation modes, then stacks in alternating order, are
 interleaved over ``--repeats``, so drifting machine load hits both alike. Only one stack works at a time.
@@ -14,6 +17,7 @@ Every wave's greedy outputs, of both stacks and every mode, must agree token for
 ``NAME.md``.
 
     python -m bench.arrival_wait --streams 8 --max-tokens 48 --repeats 2
+    python -m bench.arrival_wait --compare transport --name transport
 """
 
 from __future__ import annotations
@@ -65,20 +69,31 @@ def wave(clients: Sequence[Client], verifier: Service, prompts: Sequence[str], o
     }
 
 
-def start_stack(services: Services, label: str, arrival_wait: float, args: argparse.Namespace) -> dict[str, Service]:
-    wait = ["--arrival-wait", f"{arrival_wait:g}"]
+def settings(compare: str, arrival_wait: float) -> dict[str, tuple[list[str], list[str]]]:
+    """The two compared settings by label: (extra worker flags, extra router flags)."""
+    if compare == "transport":
+        return {"unary": ([], ["--no-worker-streams"]), "stream": ([], [])}
+    return {f"wait {wait:g}": (["--arrival-wait", f"{wait:g}"], []) for wait in (0.0, arrival_wait)}
+
+
+def start_stack(
+    services: Services, label: str, flags: tuple[list[str], list[str]], args: argparse.Namespace
+) -> dict[str, Service]:
+    (wait, router_flags), name = flags, label.replace(" ", "")
     threads = ["--torch-threads", "1"]
     verifier = services.spawn(
-        f"verifier-{label}",
+        f"verifier-{name}",
         "verifier_service",
         ["--model", args.target, "--dtype", "float32", "--metrics-port", "0", *threads, *wait],
     )
     drafter = services.spawn(
-        f"drafter-{label}", "drafter_service", ["--kind", args.drafter_kind, "--target", args.target, *threads, *wait]
+        f"drafter-{name}", "drafter_service", ["--kind", args.drafter_kind, "--target", args.target, *threads, *wait]
     )
     addresses = ["--verifier", verifier.wait_ready()["address"], "--drafter", drafter.wait_ready()["address"]]
     router = services.start(
-        f"router-{label}", "router", ["--model", args.target, "--grpc-port", "0", "--http-port", "0", *addresses]
+        f"router-{name}",
+        "router",
+        ["--model", args.target, "--grpc-port", "0", "--http-port", "0", *addresses, *router_flags],
     )
     return {"verifier": verifier, "drafter": drafter, "router": router}
 
@@ -93,11 +108,12 @@ def markdown(document: dict[str, Any]) -> str:
         "",
         f"Command: `{' '.join(document['command'])}`. {config['streams']} concurrent streams, one request each, "
         f"{config['max_tokens']} tokens (ignore_eos), greedy, drafter `{config['drafter_kind']}`, one torch thread "
-        f"per worker; arrival wait 0 vs {config['arrival_wait']:g}, interleaved over {config['repeats']} repeats. "
+        f"per worker; {config['compare']}: {' vs '.join(config['settings'])}, interleaved over {config['repeats']} "
+        "repeats. "
         f"Greedy outputs identical in every wave (both stacks, every mode): "
         f"**{'yes' if document['identical'] else 'NO'}**.",
         "",
-        "| mode | arrival wait | tokens/s by repeat | tokens/s median | verifier forwards | mean batch "
+        "| mode | setting | tokens/s by repeat | tokens/s median | verifier forwards | mean batch "
         "| mean forward ms | mean wait ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -105,7 +121,7 @@ def markdown(document: dict[str, Any]) -> str:
         waves = row["waves"]
         rates = [w["tokens_per_s"] for w in waves]
         lines.append(
-            f"| {row['mode']} | {row['arrival_wait']:g} | {', '.join(f'{r:.1f}' for r in rates)} | "
+            f"| {row['mode']} | {row['setting']} | {', '.join(f'{r:.1f}' for r in rates)} | "
             f"{statistics.median(rates):.1f} | {statistics.mean(w['forwards'] for w in waves):.0f} | "
             f"{statistics.mean(w['mean_batch'] or 0 for w in waves):.2f} | "
             f"{statistics.mean(w['mean_forward_ms'] or 0 for w in waves):.1f} | "
@@ -121,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--arrival-wait", type=float, default=1.0, help="the compared setting (against 0)")
+    parser.add_argument("--compare", choices=("arrival-wait", "transport"), default="arrival-wait")
+    parser.add_argument("--arrival-wait", type=float, default=1.0, help="the compared wait (against 0)")
     parser.add_argument("--result-dir", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="arrival-wait")
     args = parser.parse_args(argv)
@@ -131,10 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(prompts) < args.streams:
         parser.error(f"--streams: {PROMPTS.name} has only {len(prompts)} prompts")
     options = {"chat": True, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-    settings = {"off": 0.0, "on": args.arrival_wait}
-    results: dict[tuple[str, str], list[dict]] = {(mode, label): [] for mode in MODES for label in settings}
+    compared = settings(args.compare, args.arrival_wait)
+    results: dict[tuple[str, str], list[dict]] = {(mode, label): [] for mode in MODES for label in compared}
     with tempfile.TemporaryDirectory(prefix="bench-arrival-wait-") as logs, Services(Path(logs)) as services:
-        stacks = {label: start_stack(services, label, wait, args) for label, wait in settings.items()}
+        stacks = {label: start_stack(services, label, flags, args) for label, flags in compared.items()}
         clients = {
             label: [Client(stack["router"].ready["grpc"], timeout_s=600) for _ in range(args.streams)]
             for label, stack in stacks.items()
@@ -143,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             step = 0
             for repeat in range(args.repeats + 1):  # the first pass warms both stacks up and is not counted
                 for mode in MODES:
-                    order = list(settings) if step % 2 == 0 else list(reversed(settings))
+                    order = list(compared) if step % 2 == 0 else list(reversed(compared))
                     step += 1
                     for label in order:
                         mode_options = {**options, "speculation": mode, "drafter": args.drafter_kind}
@@ -157,12 +174,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     client.close()
     outputs = [wave["token_ids"] for waves in results.values() for wave in waves]
     config = {key: value for key, value in vars(args).items() if key not in ("result_dir", "name")}
+    config["settings"] = list(compared)
     document = run_metadata(args.name, ["python", "-m", "bench.arrival_wait", *(argv or sys.argv[1:])], config)
     document["identical"] = all(output == outputs[0] for output in outputs)
     document["rows"] = [
         {
             "mode": mode,
-            "arrival_wait": settings[label],
+            "setting": label,
             "waves": [{key: value for key, value in w.items() if key != "token_ids"} for w in waves],
         }
         for (mode, label), waves in results.items()

@@ -1,8 +1,9 @@
-"""What the router costs per round, on the simulated stack (real router process, simulated workers), by event loop.
+"""What the router costs per round, on the simulated stack (real router process, simulated workers), by event loop,
+workers' arrival wait and router-to-worker transport.
 
 Two measurements, each configuration a short closed-loop run (``--duration`` seconds after one uncounted wave of
-warm-up requests), the event loops of ``--event-loop`` interleaved at every stream count (one stack per loop, all
-started up front, so machine drift hits each alike):
+warm-up requests), the variants (every combination of ``--event-loop``, ``--arrival-wait`` and ``--transport``)
+interleaved at every stream count (one stack per variant, all started up front, so machine drift hits each alike):
 
 1. **Router CPU and overhead per round** at ``--streams`` concurrent streams, the default simulated latencies
    (:class:`bench.load.simulate.SimulationConfig`). CPU per round = the router process's own CPU clock (utime +
@@ -105,8 +106,8 @@ async def run_part(
     duration_s: float,
     log_dir: Path,
 ) -> list[dict[str, Any]]:
-    """Every stream count on every stack of ``configs`` (one per variant: event loop, arrival wait), the variants'
-    order alternating."""
+    """Every stream count on every stack of ``configs`` (one per variant: event loop, arrival wait, transport), the
+    variants' order alternating."""
     prompts = load_prompts(PROMPTS)
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stacks:
@@ -120,6 +121,7 @@ async def run_part(
                 row = await measure(started[label], prompts, options, count, duration_s)
                 row["event_loop"] = configs[label].event_loop
                 row["arrival_wait"] = configs[label].arrival_wait
+                row["transport"] = _transport(configs[label])
                 rows.append(row)
                 print(json.dumps(_rounded(row)), file=sys.stderr, flush=True)
     return rows
@@ -152,6 +154,10 @@ def _wait(row: dict[str, Any]) -> str:
     return format(row["arrival_wait"], "g")
 
 
+def _transport(config: SimulationConfig) -> str:
+    return "stream" if config.worker_streams else "unary"
+
+
 def markdown(document: dict[str, Any]) -> str:
     env, config = document["environment"], document["config"]
     lines = [
@@ -178,13 +184,13 @@ def _overhead_section(document: dict[str, Any]) -> list[str]:
         "",
         "Targets (issue 15): router CPU ≤ 0.2 ms per round, overhead p50 ≤ 1 ms at the largest stream count.",
         "",
-        "| streams | event loop | arrival wait | rounds | router CPU ms / round | router CPU (cores) "
+        "| streams | event loop | arrival wait | transport | rounds | router CPU ms / round | router CPU (cores) "
         "| overhead ms p50 / p99 | requests/s | tokens/round | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in document["overhead"]:
         lines.append(
-            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['rounds']} "
+            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['transport']} | {row['rounds']} "
             f"| {_f(row['router_cpu_ms_per_round'], '.3f')} "
             f"| {_f(row['router_cpu_fraction'])} | {_f(row['router_overhead_ms_p50'])} / "
             f"{_f(row['router_overhead_ms_p99'])} | {_f(row['requests_per_s'], '.1f')} | "
@@ -203,13 +209,14 @@ def _bound_section(document: dict[str, Any]) -> list[str]:
         "Bound = max(draft, verify) / E[N] (latency means; E[N] = tokens committed per round, measured). "
         "Target (issue 15): bound / TPOT ≥ 0.9 at every stream count.",
         "",
-        "| streams | event loop | arrival wait | tokens/round | bound ms/token | TPOT ms mean (median) | bound / TPOT "
-        "| router CPU ms / round | overhead ms p50 / p99 | pipeline hit rate |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| streams | event loop | arrival wait | transport | tokens/round | bound ms/token | TPOT ms mean (median) "
+        "| bound / TPOT | router CPU ms / round | overhead ms p50 / p99 | pipeline hit rate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in document["bound"]:
         lines.append(
-            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {_f(row['tokens_per_round'])} | "
+            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['transport']} "
+            f"| {_f(row['tokens_per_round'])} | "
             f"{_f(row['bound_ms_per_token'])} | {_f(row['mean_tpot_ms'])} ({_f(row['median_tpot_ms'])}) | "
             f"{_f(row['bound_ratio'])} | {_f(row['router_cpu_ms_per_round'], '.3f')} | "
             f"{_f(row['router_overhead_ms_p50'])} / {_f(row['router_overhead_ms_p99'])} | "
@@ -218,11 +225,26 @@ def _bound_section(document: dict[str, Any]) -> list[str]:
     return lines
 
 
-def variants(config: SimulationConfig, loops: Sequence[str], waits: Sequence[float]) -> dict[str, SimulationConfig]:
-    """``config`` with each event loop and arrival wait, by a label that names both."""
+def variants(
+    config: SimulationConfig, loops: Sequence[str], waits: Sequence[float], transports: Sequence[str] = ("stream",)
+) -> dict[str, SimulationConfig]:
+    """``config`` with each event loop, arrival wait and router-to-worker transport, by a label that names all."""
     return {
-        f"{loop}-wait{wait:g}": replace(config, event_loop=loop, arrival_wait=wait) for loop in loops for wait in waits
+        f"{loop}-wait{wait:g}-{transport}": replace(
+            config, event_loop=loop, arrival_wait=wait, worker_streams=transport == "stream"
+        )
+        for loop in loops
+        for wait in waits
+        for transport in transports
     }
+
+
+def _transports(text: str) -> list[str]:
+    transports = [part.strip() for part in text.split(",") if part.strip()]
+    for transport in transports:
+        if transport not in ("stream", "unary"):
+            raise argparse.ArgumentTypeError(f"transport must be stream or unary, got {transport!r}")
+    return transports
 
 
 def _fractions(text: str) -> list[float]:
@@ -258,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[DEFAULT_FRACTION],
         help="the workers' wait for calls they expect back, as a fraction of a batch (0: none), interleaved",
     )
+    parser.add_argument(
+        "--transport",
+        type=_transports,
+        default=["stream"],
+        help="how the router sends batches to workers: stream (one per worker), unary (an RPC each); interleaved",
+    )
     parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per configuration")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--speculation", default="pipelined", help="the requests' speculation mode")
@@ -278,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bound_streams": args.bound_streams,
         "event_loops": args.event_loop,
         "arrival_waits": args.arrival_wait,
+        "transports": args.transport,
         "duration_s": args.duration,
         "max_tokens": args.max_tokens,
         "speculation": args.speculation,
@@ -298,10 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         async def both() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             overhead, rows = [], []
             if args.streams:
-                configs = variants(base, args.event_loop, args.arrival_wait)
+                configs = variants(base, args.event_loop, args.arrival_wait, args.transport)
                 overhead = await run_part(configs, args.streams, options, args.duration, log_dir / "overhead")
             if args.bound_streams:
-                configs = variants(bound, args.event_loop, args.arrival_wait)
+                configs = variants(bound, args.event_loop, args.arrival_wait, args.transport)
                 rows = await run_part(configs, args.bound_streams, options, args.duration, log_dir / "bound")
             return overhead, rows
 

@@ -30,13 +30,20 @@ def test_the_report_has_one_row_per_mode_and_setting() -> None:
         "date": "2026-01-01T00:00:00Z",
         "command": ["python", "-m", "bench.arrival_wait"],
         "environment": {"cpu": "cpu", "cpus": 2, "versions": {}},
-        "config": {"streams": 8, "max_tokens": 48, "drafter_kind": "ngram", "arrival_wait": 1.0, "repeats": 2},
+        "config": {
+            "streams": 8,
+            "max_tokens": 48,
+            "drafter_kind": "ngram",
+            "compare": "arrival-wait",
+            "settings": ["wait 0", "wait 1"],
+            "repeats": 2,
+        },
         "identical": True,
         "rows": [
-            {"mode": "off", "arrival_wait": 0.0, "waves": [wave, {**wave, "tokens_per_s": 30.0}]},
-            {"mode": "off", "arrival_wait": 1.0, "waves": [wave, wave]},
+            {"mode": "off", "setting": "wait 0", "waves": [wave, {**wave, "tokens_per_s": 30.0}]},
+            {"mode": "off", "setting": "wait 1", "waves": [wave, wave]},
         ],
     }
     text = markdown(document)
-    assert "| off | 0 | 40.0, 30.0 | 35.0 | 50 | 7.50 | 140.0 | 0.50 |" in text
-    assert "| off | 1 | 40.0, 40.0 | 40.0 |" in text and "**yes**" in text
+    assert "| off | wait 0 | 40.0, 30.0 | 35.0 | 50 | 7.50 | 140.0 | 0.50 |" in text
+    assert "| off | wait 1 | 40.0, 40.0 | 40.0 |" in text and "**yes**" in text and "wait 0 vs wait 1" in text

@@ -26,6 +26,7 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
         "streams": 8,
         "event_loop": "uvloop",
         "arrival_wait": 0.25,
+        "transport": "stream",
         "rounds": 10,
         "router_cpu_ms_per_round": 0.5,
         "router_cpu_fraction": 0.1,
@@ -55,7 +56,7 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
         "bound": [row],
     }
     text = markdown(document)
-    assert "| 8 | uvloop | 0.25 | 10 | 0.500 |" in text and "| 5.00 | 6.00 (6.00) | 0.83 |" in text
+    assert "| 8 | uvloop | 0.25 | stream | 10 | 0.500 |" in text and "| 5.00 | 6.00 (6.00) | 0.83 |" in text
 
 
 def test_a_note_stays_out_of_the_recorded_command() -> None:
