@@ -186,10 +186,11 @@ def stream_batches(
     cancels a pre-draft while that pre-draft is queued. ``start`` raising fails every call of that batch alone.
     The batches finished by the time a message goes out travel together in it (``bundle(replies)``): one forward
     finishes the batches of many router ticks, and the router then resumes all their sequences in one tick.
-    When the stream ends, unanswered batches are still answered; when the RPC ends first, jobs not started are
-    dropped."""
+    A request's ``cancel_batch_ids`` drop the jobs not yet started of those earlier batches (the caller gave up on
+    them); one with no calls is no batch. When the stream ends, unanswered batches are still answered; when the RPC
+    ends first, jobs not started are dropped."""
     done: queue.SimpleQueue[tuple[Any, StartedBatch] | _Ended] = queue.SimpleQueue()
-    unanswered: set[StartedBatch] = set()
+    unanswered: dict[int, StartedBatch] = {}  # by batch_id
     lock = threading.Lock()
 
     def when_done(request: Any, batch: StartedBatch) -> None:
@@ -212,12 +213,19 @@ def stream_batches(
         count = 0
         try:
             for request in requests:
+                with lock:
+                    given_up = [unanswered.get(batch_id) for batch_id in request.cancel_batch_ids]
+                for batch in given_up:
+                    if batch is not None:
+                        batch.cancel()
+                if given_up and not request.calls:
+                    continue
                 try:
                     batch = start(request)
                 except Exception as error:
                     batch = StartedBatch.refused(request.calls, error)
                 with lock:
-                    unanswered.add(batch)
+                    unanswered[request.batch_id] = batch
                 count += 1
                 when_done(request, batch)
         except Exception as error:  # the RPC ended (the caller cancelled or went away)
@@ -227,7 +235,7 @@ def stream_batches(
 
     def cancel_unanswered() -> None:
         with lock:
-            batches = list(unanswered)
+            batches = list(unanswered.values())
         for batch in batches:
             batch.cancel()
 
@@ -246,7 +254,7 @@ def stream_batches(
                 continue
             request, batch = item
             with lock:
-                unanswered.discard(batch)
+                unanswered.pop(request.batch_id, None)
             replies.append(reply(request, batch))
         answered += len(replies)
         if replies:

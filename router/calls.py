@@ -6,9 +6,9 @@ older build, gets a unary ``Batch`` RPC per batch): on this machine a message on
 the two ends about half of what a unary call costs (no call set-up, deadline timer or metadata per batch). Each
 batch carries an id its reply names, so batches are answered as they finish, and the worker sends those finished
 together in one message, so their sessions resume in one tick and their next calls again form one batch. Each batch
-has the worker's deadline, kept here by a timer (the late reply of a batch that timed out is dropped; unlike a
-cancelled unary RPC, its calls still run on the worker). When the stream fails, every batch on it fails as its unary
-RPC would have (the same status), and the next batch opens a new stream.
+has the worker's deadline, kept here by a timer: a batch past it fails, the worker is told to drop its calls that
+have not started (as a unary RPC's deadline cancels them) and its late reply is ignored. When the stream fails,
+every batch on it fails as its unary RPC would have (the same status), and the next batch opens a new stream.
 """
 
 from __future__ import annotations
@@ -174,9 +174,13 @@ class BatchTransport:
                 future.set_exception(error)
 
     def _expire(self, batch_id: int) -> None:
+        """The batch's deadline passed: it fails, and the worker is told to drop its calls that have not started (a
+        batch still waiting is on the open stream: one that failed with its stream is done)."""
         future = self._pending.pop(batch_id, None)
         if future is not None and not future.done():
             future.set_exception(self.worker.failed(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the deadline"))
+            if self._outbox is not None:
+                self._outbox.put_nowait(self._request_type(cancel_batch_ids=[batch_id]))
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
         self._tasks.add(task)

@@ -1,6 +1,7 @@
-"""The router's batch transport (:mod:`router.calls`): batches on one stream per worker, matched to their replies by
-id, each with the worker's deadline; a failed stream fails its batches as their unary RPCs would have failed and the
-next batch opens a new stream; a worker whose Status does not offer ``BatchStream`` gets unary ``Batch`` RPCs.
+"""The router's batch transport (:mod:`router.calls`): batches on one stream per worker, matched to their replies by id,
+each with the worker's deadline (past it the worker is told to drop the batch); a failed stream fails its batches as
+their unary RPCs would have failed and the next batch opens a new stream; a worker whose Status does not offer
+``BatchStream`` gets unary ``Batch`` RPCs.
 
 The worker is a real loopback ``grpc.aio`` server whose verifier answers every call as a close, as a test tells it:
 ``BatchStream`` answering the batches of one message in reverse order, holding one batch past the deadline, or
@@ -44,6 +45,7 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
         self.unary_batches = 0
         self.streamed_batches = 0
         self.streams = 0
+        self.cancelled: list[int] = []  # batch ids the router gave up on
 
     async def Status(self, request, context) -> verifier_pb2.VerifierStatusReply:
         return verifier_pb2.VerifierStatusReply(model="m", batch_stream=self.advertises)
@@ -56,6 +58,9 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
         self.streams += 1
         waiting: list[verifier_pb2.VerifierBatchRequest] = []
         async for request in requests:
+            self.cancelled += request.cancel_batch_ids
+            if not request.calls:
+                continue
             self.streamed_batches += 1
             first = request.calls[0].close.sequence_id
             if first == "fail":
@@ -95,6 +100,7 @@ async def _scripted() -> None:
         assert timed_out.value.code == "DEADLINE_EXCEEDED" and worker.timeouts == 1
         assert DEADLINE_S * 0.9 <= asyncio.get_running_loop().time() - started < DEADLINE_S * 4
         assert len(await transport.send([close_call("alone")])) == 1 and worker.timeouts == 0
+        assert verifier.cancelled == [3]  # the worker was told to drop the held batch (the third sent)
         # the worker ends the stream: the batch on it fails as its RPC would have; the next opens a new stream
         with pytest.raises(WorkerUnavailableError) as failed:
             await transport.send([close_call("fail")])

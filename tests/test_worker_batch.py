@@ -7,12 +7,15 @@ failure confined to its own call with the status its RPC would have had.
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import Future
 
 import grpc
 import pytest
 from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from drafter_service.server import start_drafter
+from grpc_common.batch import StartedBatch, Submitted, stream_batches
 from grpc_common.convert import proposal_to_wire, tree_from_wire
 from router.batching import CallBatcher
 from router.errors import WorkerBusyError, WorkerError, WorkerUnavailableError
@@ -105,6 +108,47 @@ def test_verifier_batch_stream_answers_batches_by_id_and_refuses_an_oversized_on
         assert list(replies[13][0].verify.verdict.emitted) == truth[1:2]
     finally:
         running.stop(grace_s=0)
+
+
+class _Context:
+    def add_callback(self, callback) -> None:
+        self.callback = callback
+
+
+def test_a_batch_the_router_gave_up_on_drops_its_calls_not_started() -> None:
+    """``cancel_batch_ids`` (sent when a batch's deadline passes) cancels the jobs of that batch still queued, as a
+    cancelled unary Batch RPC does; the message itself is no batch."""
+    queued: list[Future] = []
+
+    def submit(kind: str, request) -> Submitted:
+        queued.append(Future())  # a job that never runs unless dropped
+        return Submitted(queued[-1], lambda reply: reply)
+
+    def start(request: verifier_pb2.VerifierBatchRequest) -> StartedBatch:
+        return StartedBatch.start(request.calls, submit)
+
+    def reply(request, batch: StartedBatch) -> verifier_pb2.VerifierBatchReply:
+        return verifier_pb2.VerifierBatchReply(
+            results=batch.results(verifier_pb2.VerifierResult), batch_id=request.batch_id
+        )
+
+    requests = [
+        verifier_pb2.VerifierBatchRequest(calls=[verify_call("a"), verify_call("b")], batch_id=1),
+        verifier_pb2.VerifierBatchRequest(cancel_batch_ids=[1]),
+    ]
+    messages: list = []
+    answering = threading.Thread(
+        target=lambda: messages.extend(
+            stream_batches(iter(requests), start, reply, lambda replies: replies, _Context())
+        ),
+        daemon=True,
+    )
+    answering.start()
+    answering.join(timeout=TIMEOUT_S)
+    assert not answering.is_alive(), "the given-up batch was never answered: its jobs were not dropped"
+    [[answer]] = messages
+    assert answer.batch_id == 1 and all(future.cancelled() for future in queued)
+    assert [result.error.code for result in answer.results] == [grpc.StatusCode.CANCELLED.value[0]] * 2
 
 
 def test_drafter_batch_keeps_a_sequences_calls_in_order() -> None:

@@ -74,17 +74,23 @@ async def stream_batches(
     """The replies of a ``grpc.aio`` ``BatchStream``, as :func:`grpc_common.batch.stream_batches` gives them on the
     real (threaded) services: every batch starts as it arrives (``answer(request)``, which names its ``batch_id``)
     and is answered as it finishes, those finished together in one message (``bundle(replies=[...])``); when the
-    request stream ends, the batches still running are answered first."""
-    done: asyncio.Queue[asyncio.Task[Any] | int] = asyncio.Queue()
-    running: set[asyncio.Task[Any]] = set()
+    request stream ends, the batches still running are answered first. A request's ``cancel_batch_ids`` cancel
+    those batches (no reply); one with no calls is no batch."""
+    done: asyncio.Queue[tuple[int, asyncio.Task[Any]] | int] = asyncio.Queue()
+    running: dict[int, asyncio.Task[Any]] = {}  # by batch_id
 
     async def read() -> None:
         count = 0
         try:
             async for request in requests:
+                for batch_id in request.cancel_batch_ids:
+                    if batch_id in running:
+                        running[batch_id].cancel()
+                if request.cancel_batch_ids and not request.calls:
+                    continue
                 task = asyncio.ensure_future(answer(request))
-                running.add(task)
-                task.add_done_callback(done.put_nowait)
+                running[request.batch_id] = task
+                task.add_done_callback(functools.partial(_finished, done, request.batch_id))
                 count += 1
         finally:
             done.put_nowait(count)
@@ -101,15 +107,21 @@ async def stream_batches(
                 if isinstance(item, int):
                     total = item
                     continue
-                running.discard(item)
-                replies.append(item.result())
-            answered += len(replies)
+                batch_id, task = item
+                answered += 1
+                running.pop(batch_id, None)
+                if not task.cancelled():
+                    replies.append(task.result())
             if replies:
                 yield bundle(replies=replies)
     finally:
         reader.cancel()
-        for task in running:
+        for task in running.values():
             task.cancel()
+
+
+def _finished(done: asyncio.Queue[tuple[int, asyncio.Task[Any]] | int], batch_id: int, task: asyncio.Task[Any]) -> None:
+    done.put_nowait((batch_id, task))
 
 
 def _mapped(handler: Handler) -> Handler:
