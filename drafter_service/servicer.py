@@ -18,7 +18,15 @@ from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 from drafter_service.scheduler import Drafted, DraftScheduler, SchedulerStatus
-from grpc_common.batch import StartedBatch, Submitted, answer_batch, check_batch_size, stream_batches, touched
+from grpc_common.batch import (
+    BatchTypes,
+    StartedBatch,
+    Submitted,
+    answer_batch,
+    check_batch_size,
+    stream_batches,
+    touched,
+)
 from grpc_common.convert import MAX_PROPOSAL_NODES, features_from_wire, proposal_to_wire, sampling_from_wire
 from specdec.drafters import DraftConfig
 from specdec.errors import InvalidArgumentError
@@ -46,6 +54,9 @@ def shape_from_wire(
     if config.max_nodes > max_nodes:
         raise InvalidArgumentError("shape", f"{config.max_nodes} nodes per round; at most {max_nodes}")
     return config
+
+
+DRAFTER_BATCH = BatchTypes(drafter_pb2.DrafterResult, drafter_pb2.DrafterBatchReply, drafter_pb2.DrafterBatchReplies)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -107,15 +118,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             check_batch_size(request.calls, self.max_batch_calls)
             return StartedBatch.start(request.calls, self._submit, together=self.scheduler.together)
 
-        def reply(request: drafter_pb2.DrafterBatchRequest, batch: StartedBatch) -> drafter_pb2.DrafterBatchReply:
-            return drafter_pb2.DrafterBatchReply(
-                results=batch.results(drafter_pb2.DrafterResult), batch_id=request.batch_id
-            )
-
-        def bundle(replies: list[drafter_pb2.DrafterBatchReply]) -> drafter_pb2.DrafterBatchReplies:
-            return drafter_pb2.DrafterBatchReplies(replies=replies)
-
-        return stream_batches(requests, start, reply, bundle, context)
+        return stream_batches(requests, start, DRAFTER_BATCH, context)
 
     def _submit(self, kind: str, request: Message) -> Submitted:
         if kind == "touch":

@@ -173,19 +173,25 @@ class _Ended:
         self.batches = batches
 
 
+@dataclass(frozen=True)
+class BatchTypes:
+    """A service's batch messages: one call's ``result``, a batch's ``reply`` (``results``, ``batch_id``) and a
+    ``BatchStream`` message of ``replies``."""
+
+    result: Callable[..., Message]
+    reply: Callable[..., Message]
+    replies: Callable[..., Message]
+
+
 def stream_batches(
-    requests: Iterator[Any],
-    start: Callable[[Any], StartedBatch],
-    reply: Callable[[Any, StartedBatch], Message],
-    bundle: Callable[[list[Message]], Message],
-    context: grpc.ServicerContext,
+    requests: Iterator[Any], start: Callable[[Any], StartedBatch], types: BatchTypes, context: grpc.ServicerContext
 ) -> Iterator[Message]:
     """The replies of a ``BatchStream``: every request is started (``start``) as soon as it arrives, on a reader
-    thread of the stream's own, and answered (``reply(request, batch)``, on the thread that writes the replies)
-    once all its jobs are done, so a slow batch never holds back a later one: a drafter must see a Commit that
-    cancels a pre-draft while that pre-draft is queued. ``start`` raising fails every call of that batch alone.
-    The batches finished by the time a message goes out travel together in it (``bundle(replies)``): one forward
-    finishes the batches of many router ticks, and the router then resumes all their sequences in one tick.
+    thread of the stream's own, and answered (on the thread that writes the replies) once all its jobs are done, so
+    a slow batch never holds back a later one: a drafter must see a Commit that cancels a pre-draft while that
+    pre-draft is queued. ``start`` raising fails every call of that batch alone. The batches finished by the time a
+    message goes out travel together in it: one forward finishes the batches of many router ticks, and the router
+    then resumes all their sequences in one tick.
     A request's ``cancel_batch_ids`` drop the jobs not yet started of those earlier batches (the caller gave up on
     them); one with no calls is no batch. When the stream ends, unanswered batches are still answered; when the RPC
     ends first, jobs not started are dropped."""
@@ -255,10 +261,10 @@ def stream_batches(
             request, batch = item
             with lock:
                 unanswered.pop(request.batch_id, None)
-            replies.append(reply(request, batch))
+            replies.append(types.reply(results=batch.results(types.result), batch_id=request.batch_id))
         answered += len(replies)
         if replies:
-            yield bundle(replies)
+            yield types.replies(replies=replies)
 
 
 def _error_of(error: BaseException, unavailable: tuple[type[BaseException], ...]) -> common_pb2.CallError:

@@ -29,6 +29,7 @@ from specdec_wire.v1 import (
 )
 from transformers import PreTrainedTokenizerBase
 
+from drafter_service.servicer import DRAFTER_BATCH
 from grpc_common.batch import StartedBatch, Submitted, stream_batches
 from grpc_common.convert import sampling_from_wire, tree_from_wire, tree_to_wire
 from grpc_common.server import RunningServer, start_server
@@ -49,6 +50,7 @@ from specdec.client import (
 )
 from specdec.errors import CancelledByCallerError
 from tests.test_router_pipeline import EOS, PROMPT, FakeDrafter, FakeVerifier, reference, target_next
+from verifier_service.servicer import VERIFIER_BATCH
 
 
 class FakeVerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -102,18 +104,7 @@ class FakeVerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.VerifierBatchReply(results=results)
 
     def BatchStream(self, requests, context):
-        def reply(request, batch: StartedBatch) -> verifier_pb2.VerifierBatchReply:
-            return verifier_pb2.VerifierBatchReply(
-                results=batch.results(verifier_pb2.VerifierResult), batch_id=request.batch_id
-            )
-
-        def bundle(replies) -> verifier_pb2.VerifierBatchReplies:
-            return verifier_pb2.VerifierBatchReplies(replies=replies)
-
-        def start(request) -> StartedBatch:
-            return self._start(request, context)
-
-        return stream_batches(requests, start, reply, bundle, context)
+        return stream_batches(requests, lambda request: self._start(request, context), VERIFIER_BATCH, context)
 
     def _start(self, request, context) -> StartedBatch:
         verifies = any(call.WhichOneof("call") == "verify" for call in request.calls)
@@ -175,18 +166,7 @@ class FakeDrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.DrafterBatchReply(results=results)
 
     def BatchStream(self, requests, context):
-        def reply(request, batch: StartedBatch) -> drafter_pb2.DrafterBatchReply:
-            return drafter_pb2.DrafterBatchReply(
-                results=batch.results(drafter_pb2.DrafterResult), batch_id=request.batch_id
-            )
-
-        def bundle(replies) -> drafter_pb2.DrafterBatchReplies:
-            return drafter_pb2.DrafterBatchReplies(replies=replies)
-
-        def start(request) -> StartedBatch:
-            return self._start(request, context)
-
-        return stream_batches(requests, start, reply, bundle, context)
+        return stream_batches(requests, lambda request: self._start(request, context), DRAFTER_BATCH, context)
 
     def _start(self, request, context) -> StartedBatch:
         proposes = any(call.WhichOneof("call") == "propose" for call in request.calls)

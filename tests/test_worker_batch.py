@@ -32,6 +32,7 @@ from tests.test_verifier_service import TIMEOUT_S, VOCAB, hf_greedy, open_reques
 from tests.tiny_models import tiny_draft, tiny_llama
 from verifier_service.config import VerifierConfig
 from verifier_service.server import start_verifier
+from verifier_service.servicer import VERIFIER_BATCH
 
 PROMPT = [1, 2, 3, 4]
 
@@ -127,26 +128,18 @@ def test_a_batch_the_router_gave_up_on_drops_its_calls_not_started() -> None:
     def start(request: verifier_pb2.VerifierBatchRequest) -> StartedBatch:
         return StartedBatch.start(request.calls, submit)
 
-    def reply(request, batch: StartedBatch) -> verifier_pb2.VerifierBatchReply:
-        return verifier_pb2.VerifierBatchReply(
-            results=batch.results(verifier_pb2.VerifierResult), batch_id=request.batch_id
-        )
-
     requests = [
         verifier_pb2.VerifierBatchRequest(calls=[verify_call("a"), verify_call("b")], batch_id=1),
         verifier_pb2.VerifierBatchRequest(cancel_batch_ids=[1]),
     ]
     messages: list = []
-    answering = threading.Thread(
-        target=lambda: messages.extend(
-            stream_batches(iter(requests), start, reply, lambda replies: replies, _Context())
-        ),
-        daemon=True,
-    )
+    answers = stream_batches(iter(requests), start, VERIFIER_BATCH, _Context())
+    answering = threading.Thread(target=lambda: messages.extend(answers), daemon=True)
     answering.start()
     answering.join(timeout=TIMEOUT_S)
     assert not answering.is_alive(), "the given-up batch was never answered: its jobs were not dropped"
-    [[answer]] = messages
+    [message] = messages
+    [answer] = message.replies
     assert answer.batch_id == 1 and all(future.cancelled() for future in queued)
     assert [result.error.code for result in answer.results] == [grpc.StatusCode.CANCELLED.value[0]] * 2
 

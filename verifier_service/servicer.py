@@ -19,7 +19,15 @@ import grpc
 from google.protobuf.message import Message
 from specdec_wire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
-from grpc_common.batch import StartedBatch, Submitted, answer_batch, check_batch_size, stream_batches, touched
+from grpc_common.batch import (
+    BatchTypes,
+    StartedBatch,
+    Submitted,
+    answer_batch,
+    check_batch_size,
+    stream_batches,
+    touched,
+)
 from grpc_common.convert import (
     MAX_PROPOSAL_NODES,
     feature_dtype_from_wire,
@@ -34,6 +42,11 @@ from specdec.verification import VerifyCall, VerifyOutcome
 from verifier_service.scheduler import SchedulerStatus, SchedulerStoppedError, VerifyScheduler
 
 _UNAVAILABLE = (SchedulerStoppedError,)
+
+
+VERIFIER_BATCH = BatchTypes(
+    verifier_pb2.VerifierResult, verifier_pb2.VerifierBatchReply, verifier_pb2.VerifierBatchReplies
+)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -95,15 +108,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._check_batch(request)
             return StartedBatch.start(request.calls, self._submit, _UNAVAILABLE, self.scheduler.together)
 
-        def reply(request: verifier_pb2.VerifierBatchRequest, batch: StartedBatch) -> verifier_pb2.VerifierBatchReply:
-            return verifier_pb2.VerifierBatchReply(
-                results=batch.results(verifier_pb2.VerifierResult), batch_id=request.batch_id
-            )
-
-        def bundle(replies: list[verifier_pb2.VerifierBatchReply]) -> verifier_pb2.VerifierBatchReplies:
-            return verifier_pb2.VerifierBatchReplies(replies=replies)
-
-        return stream_batches(requests, start, reply, bundle, context)
+        return stream_batches(requests, start, VERIFIER_BATCH, context)
 
     def _check_batch(self, request: verifier_pb2.VerifierBatchRequest) -> None:
         check_batch_size(request.calls, self.max_batch_calls)
