@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from specdec_wire.v1 import common_pb2, drafter_pb2
+from specdec_wire.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 from bench.load.simulate import (
     LatencySpec,
@@ -25,6 +25,7 @@ from bench.load.simulate import (
 )
 from bench.load.simulated.config import WorkerConfig
 from bench.load.simulated.drafter import SimDrafter, first_path, grow_tree
+from bench.load.simulated.server import stream_batches
 from bench.load.simulated.verifier import (
     SimVerifier,
     VerifySequence,
@@ -415,3 +416,33 @@ def _counter(url: str, name: str) -> float:
 
     with urllib.request.urlopen(url, timeout=10) as response:
         return counter_total(parse_metrics(response.read().decode()), name) or 0.0
+
+
+def test_the_simulated_batch_stream_answers_finished_batches_and_drops_cancelled_ones() -> None:
+    """As on the real workers: batches start as they arrive and are answered as they finish; ``cancel_batch_ids``
+    (a batch past the router's deadline) cancels one, which is never answered, and the stream still ends."""
+    close = verifier_pb2.VerifierCall(close=verifier_pb2.CloseVerifyRequest(sequence_id="s"))
+
+    async def run() -> list[list[int]]:
+        released = asyncio.Event()
+
+        async def answer(request: verifier_pb2.VerifierBatchRequest) -> verifier_pb2.VerifierBatchReply:
+            if request.batch_id == 2:
+                await asyncio.Event().wait()  # held until cancelled
+            await released.wait()
+            return verifier_pb2.VerifierBatchReply(batch_id=request.batch_id)
+
+        async def requests():
+            for batch_id in (1, 2, 3):
+                yield verifier_pb2.VerifierBatchRequest(calls=[close], batch_id=batch_id)
+            yield verifier_pb2.VerifierBatchRequest(cancel_batch_ids=[2])
+            released.set()
+
+        answers = stream_batches(requests(), answer, verifier_pb2.VerifierBatchReplies)
+        return await asyncio.wait_for(_batch_ids(answers), timeout=10)
+
+    assert sorted(batch_id for message in asyncio.run(run()) for batch_id in message) == [1, 3]
+
+
+async def _batch_ids(messages) -> list[list[int]]:
+    return [[reply.batch_id for reply in message.replies] async for message in messages]
