@@ -23,18 +23,18 @@ Every wave's greedy outputs, of both stacks and every mode, must agree token for
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import json
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.load.metrics import Sample, counter_total, histogram_mean, metrics_delta, parse_metrics
+from bench.load.metrics import Sample, counter_total, histogram_mean, metrics_delta, scrape
 from bench.load.report import run_metadata, write_report
 from bench.services import Service, Services
 from specdec.client import Client
@@ -43,19 +43,18 @@ PROMPTS = Path(__file__).resolve().parent / "prompts" / "colocated.jsonl"
 MODES = ("off", "sequential", "pipelined")
 
 
-def scrape(metrics_address: str) -> list[Sample]:
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30) as response:
-        return parse_metrics(response.read().decode())
+def verifier_metrics(verifier: Service) -> list[Sample]:
+    return asyncio.run(scrape(f"http://{verifier.ready['metrics']}/metrics"))
 
 
 def wave(clients: Sequence[Client], verifier: Service, prompts: Sequence[str], options: dict[str, Any]) -> dict:
     """One request per client at once; tokens/s of the wave and what the verifier did meanwhile."""
-    before = scrape(verifier.ready["metrics"])
+    before = verifier_metrics(verifier)
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
         results = list(pool.map(lambda pair: pair[0].generate(pair[1], **options), zip(clients, prompts, strict=True)))
     elapsed = time.perf_counter() - started
-    delta = metrics_delta(before, scrape(verifier.ready["metrics"]))
+    delta = metrics_delta(before, verifier_metrics(verifier))
     forwards = counter_total(delta, "specdec:verifier_batch_size_count") or 0.0
     wait_s = histogram_mean(delta, "specdec:verifier_arrival_wait_seconds")
     forward_s = histogram_mean(delta, "specdec:verifier_forward_seconds")

@@ -219,13 +219,14 @@ def stream_batches(
         count = 0
         try:
             for request in requests:
-                with lock:
-                    given_up = [unanswered.get(batch_id) for batch_id in request.cancel_batch_ids]
-                for batch in given_up:
-                    if batch is not None:
-                        batch.cancel()
-                if given_up and not request.calls:
-                    continue
+                if request.cancel_batch_ids:
+                    with lock:
+                        given_up = [unanswered.get(batch_id) for batch_id in request.cancel_batch_ids]
+                    for batch in given_up:
+                        if batch is not None:
+                            batch.cancel()
+                    if not request.calls:
+                        continue
                 try:
                     batch = start(request)
                 except Exception as error:
