@@ -39,7 +39,15 @@ from specdec.distill.data import (
     teacher_force_examples,
 )
 from specdec.distill.prompts import load_prompt_set
-from specdec.distill.train import CHECKPOINT_FILE, EvalResult, TrainConfig, choose_draft_vocab, make_batches, train
+from specdec.distill.train import (
+    CHECKPOINT_FILE,
+    EvalResult,
+    TrainConfig,
+    choose_draft_vocab,
+    make_batches,
+    train,
+    with_target_argmax,
+)
 from specdec.drafters.eagle_head import EagleHead, HeadInfo, eagle3_layers, save_head
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel, load_model
@@ -122,6 +130,7 @@ def run_distill(args: argparse.Namespace) -> int:
     )
     batches = make_batches(train_examples, config.batch_tokens, config.max_length, fused=fused)
     held_out_batches = make_batches(held_out, config.batch_tokens, config.max_length, fused=fused)
+    held_out_batches = with_target_argmax(held_out_batches, target.model.get_output_embeddings().weight, vocab)
     examples, training_tokens = len(train_examples), sum(e.response_length for e in train_examples)
     del train_examples, held_out  # the batches hold what training reads
     info = HeadInfo(verifier=args.target, num_draft_tokens=4)

@@ -24,7 +24,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -74,6 +74,7 @@ class Batch:
     targets: torch.Tensor
     positions: torch.Tensor
     loss_mask: torch.Tensor
+    target_top: torch.Tensor | None = None  # [R] (held-out batches): see :func:`with_target_argmax`
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +84,8 @@ class Batch:
 @dataclass(frozen=True)
 class EvalResult:
     """Teacher-forced agreement on held-out rows: ``agree[s]`` is the fraction of response rows where the head's
-    argmax at unroll step ``s`` equals the target's; ``loss`` the weighted training loss."""
+    argmax at unroll step ``s`` equals the target's (over the target's whole vocabulary for batches
+    :func:`with_target_argmax` made, as greedy drafting meets it); ``loss`` the weighted training loss."""
 
     loss: float
     agree: tuple[float, ...]
@@ -150,6 +152,29 @@ def _collate(examples: list[Example], max_length: int, fused: bool) -> Batch:
     return Batch(tokens, inputs, targets, positions, loss_mask)
 
 
+def with_target_argmax(batches: Sequence[Batch], lm_head: torch.Tensor, draft_ids: torch.Tensor) -> list[Batch]:
+    """``batches`` with ``target_top``: at every loss row the argmax of the target's whole LM head (``lm_head``
+    [V, H] over the ``targets`` rows) as an index into ``draft_ids``, or -1 when that token is outside them.
+
+    Agreement measured against the argmax of the draft vocabulary's rows alone counts a row whose target token the
+    draft vocabulary lacks as agreed whenever the head picks the best token it has; drafting can never propose that
+    token, so greedy verification rejects it there. Held-out agreement (what the progress bar reports and the best
+    head is chosen by) counts such a row as a miss. One pass over the held-out rows, in chunks of ``_ARGMAX_ROWS``.
+    """
+    index_of = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
+    index_of[draft_ids] = torch.arange(len(draft_ids))
+    weight = lm_head.detach().float()
+    marked = []
+    for batch in batches:
+        rows = batch.targets[batch.loss_mask]
+        top = [(chunk.float() @ weight.T).argmax(dim=-1) for chunk in rows.split(_ARGMAX_ROWS)]
+        marked.append(replace(batch, target_top=index_of[torch.cat(top)] if top else index_of[:0]))
+    return marked
+
+
+_ARGMAX_ROWS = 512  # rows per [rows, V] logits block: 100 MB at SmolLM2's 49 152 tokens
+
+
 def unrolled_mask(length: int, step: int) -> torch.Tensor:
     """Visibility of the keys of steps ``0 .. step`` to step ``step``'s queries, bool [T, (step + 1) * T].
 
@@ -206,7 +231,7 @@ def batch_loss(head: EagleHead, batch: Batch, config: TrainConfig) -> tuple[torc
     with torch.no_grad():
         targets = batch.targets[mask].float()  # [R, H]
         target = torch.softmax(head.lm_head(targets), dim=-1)  # [R, K]
-        target_top = target.argmax(dim=-1)
+        target_top = target.argmax(dim=-1) if batch.target_top is None else batch.target_top.to(target.device)
     total = torch.zeros(())
     agree = []
     for step, predicted in enumerate(unrolled_forward(head, batch, config.unroll_steps)):
