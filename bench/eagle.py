@@ -3,11 +3,14 @@
 The held-out prompts of the distillation set (:func:`specdec.distill.prompts.load_prompt_set` ``"heldout"``, the
 first ``--num-prompts`` taking categories in turn) through the chat template; float32, batch size 1, EOS honoured,
 one uncounted warm-up request per configuration, configurations interleaved prompt by prompt (drifting machine
-load hits all alike). Sections (``--sections``, default all three; ``budgets`` needs ``--budget-heads``):
+load hits all alike). Sections (``--sections``, default all; ``budgets`` needs ``--budget-heads``):
 
 * ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and 8 and two trees (depth 3,
   width 2, 4 nodes; depth 4, width 2, 8 nodes: each verifies as many positions as chain γ=4 / γ=8) of the head:
   acceptance rate, acc@i, mean accepted length, draft and target-forward cost;
+* ``agreement``: the head's teacher-forced agreement as served, one draft at every position of the target's greedy
+  answers, beside the held-out agreement its training reported, and split by whether the previous position agreed
+  (:mod:`bench.eagle_agreement`): whether serving computes what training measured, and why ``acc@1`` is lower;
 * ``speed``: greedy: target-only, ngram γ=4, Hugging Face prompt lookup γ=4, every eagle shape and γ=4 with the
   head's weights in bfloat16 (the target stays float32); then
   target-only vs eagle γ=4 at temperature 0.7;
@@ -41,6 +44,7 @@ import transformers
 
 from bench.colocated import ConfigResult, Generate, compare, engine_generator, hf_generator
 from bench.disaggregated import interleave_categories
+from bench.eagle_agreement import teacher_forced_agreement
 from bench.load.report import cpu_model
 from specdec.cache import default_head_dir
 from specdec.cli import quiet_model_loading
@@ -55,7 +59,7 @@ from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 from specdec.verification import VerifyOutcome
 
-SECTIONS = ("acceptance", "speed", "budgets")
+SECTIONS = ("acceptance", "agreement", "speed", "budgets")
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.7)
 SAMPLINGS = {"greedy": GREEDY, "T=0.7": SAMPLED}
@@ -253,6 +257,15 @@ def acceptance_section(target: LoadedModel, prompts: Sequence[Prompt], settings:
     ]
 
 
+def agreement_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
+    """The head's teacher-forced agreement as served (:mod:`bench.eagle_agreement`) beside what training reported."""
+    drafter = eagle_drafters(target, settings.draft_model)[BUDGET_SHAPE]
+    tally = teacher_forced_agreement(target, drafter, [p.token_ids for p in prompts], settings.max_tokens)
+    directory = Path(settings.draft_model).expanduser() if settings.draft_model else default_head_dir(target.name)
+    trained = head_summary(directory).get("held_out_agreement") or [None]
+    return [{**tally.row(), "trained_held_out_agreement": trained[0]}]
+
+
 def sampled_generator(engine: Engine, params: SamplingParams, max_tokens: int) -> Generate:
     """Like :func:`bench.colocated.engine_generator`, under ``params`` with the prompt's seed."""
 
@@ -336,6 +349,7 @@ def budgets_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Se
 SectionRun = Callable[[LoadedModel, Sequence[Prompt], Settings], list[dict[str, Any]]]
 SECTION_RUNS: dict[str, SectionRun] = {
     "acceptance": acceptance_section,
+    "agreement": agreement_section,
     "speed": speed_section,
     "budgets": budgets_section,
 }
@@ -434,6 +448,21 @@ def _acceptance_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _agreement_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| positions | agreement as served | after an agreed position | after a missed one | target token outside "
+        "the draft vocabulary | training's held-out agreement (depth 1) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['positions']} | {_fmt(row['agreement'], '.3f')} | {_fmt(row['after_agreed'], '.3f')} "
+            f"({row['after_agreed_positions']}) | {_fmt(row['after_missed'], '.3f')} ({row['after_missed_positions']}) "
+            f"| {_fmt(row['outside_draft_vocab'], '.3f')} | {_fmt(row['trained_held_out_agreement'], '.3f')} |"
+        )
+    return lines
+
+
 def _speed_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| sampling | config | tokens | tokens/s | × target-only | tokens/round (all rounds) | acceptance rate "
@@ -506,6 +535,7 @@ def markdown(payload: dict[str, Any]) -> str:
     ]
     tables = {
         "acceptance": ("Acceptance (co-located, held-out prompts)", _acceptance_table),
+        "agreement": ("Teacher-forced agreement as served (greedy answers, depth 1)", _agreement_table),
         "speed": ("Speed (greedy, batch 1, configurations interleaved prompt by prompt)", _speed_table),
         "budgets": ("Training budget → held-out mean accepted length (γ = 4, greedy)", _budget_table),
     }
