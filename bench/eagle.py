@@ -259,10 +259,11 @@ def acceptance_section(target: LoadedModel, prompts: Sequence[Prompt], settings:
 
 def agreement_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
     """The head's teacher-forced agreement as served (:mod:`bench.eagle_agreement`) beside what training reported."""
-    drafter = eagle_drafters(target, settings.draft_model)[BUDGET_SHAPE]
-    tally = teacher_forced_agreement(target, drafter, [p.token_ids for p in prompts], settings.max_tokens)
-    directory = Path(settings.draft_model).expanduser() if settings.draft_model else default_head_dir(target.name)
-    trained = head_summary(directory).get("held_out_agreement") or [None]
+    drafter = build_drafter("eagle", target, SHAPES[BUDGET_SHAPE], draft_model=settings.draft_model)
+    tally = teacher_forced_agreement(
+        target, cast(EagleDrafter, drafter), [p.token_ids for p in prompts], settings.max_tokens
+    )
+    trained = head_summary(head_directory(target.name, settings.draft_model)).get("held_out_agreement") or [None]
     return [{**tally.row(), "trained_held_out_agreement": trained[0]}]
 
 
@@ -326,6 +327,11 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
     return rows + _speed_rows(compare(sampled, token_ids), "T=0.7")
 
 
+def head_directory(target: str, draft_model: str | None) -> Path:
+    """The head's directory: ``draft_model``, or the head cached for ``target``."""
+    return Path(draft_model).expanduser() if draft_model else default_head_dir(target)
+
+
 def head_summary(directory: Path) -> dict[str, Any]:
     """The head's ``train-summary.json`` (written by ``specdec distill``), or ``{}`` when it has none."""
     path = directory / SUMMARY_FILE
@@ -387,7 +393,7 @@ def describe(
     target: str, draft_model: str | None, prompts: Sequence[Prompt], max_tokens: int, command: str
 ) -> dict[str, Any]:
     """The run's labels: hardware, versions, command, head and prompt set."""
-    head = Path(draft_model).expanduser() if draft_model else default_head_dir(target)
+    head = head_directory(target, draft_model)
     lengths = [len(prompt.token_ids) for prompt in prompts]
     return {
         "target": target,
