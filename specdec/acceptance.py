@@ -40,7 +40,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from specdec.sampling import sample_with_uniform
+from specdec.sampling import argmax, sample_with_uniform
 from specdec.tree import ROOT, TokenTree
 
 Scheme = Literal["iid", "without_replacement"]
@@ -162,7 +162,7 @@ def verify_greedy(
         target_probs: float [N + 1, V] (probabilities or logits: only the argmax is used).
     """
     _check_shapes(len(tree), target_probs, None, None)
-    best = target_probs.argmax(dim=-1).tolist()
+    best = argmax(target_probs).tolist()
     node, path = ROOT, []
     while True:
         children = tree.children(node)

@@ -3,7 +3,7 @@
 One function, :func:`logits_to_probs`, is used identically for the target (its ``p``) and the
 drafter (its ``q``), so the acceptance rule always compares the distributions that were really
 used. Order of transforms: temperature, top-k, top-p, min-p, each followed by renormalisation.
-Temperature 0 is greedy: the one-hot of the argmax (lowest id on ties); so is any temperature below
+Temperature 0 is greedy: the one-hot of the :func:`argmax` (lowest id on ties); so is any temperature below
 :data:`GREEDY_BELOW` (vLLM's ``_SAMPLING_EPS``): there ``logits / temperature`` can overflow float32 into NaN
 probabilities, and such a temperature is the greedy limit but for near-exact ties. :func:`top_logprobs` reads the
 most probable alternatives off a row of log-probabilities (what a request's ``top_logprobs`` returns).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from specdec.errors import InvalidArgumentError
@@ -52,11 +53,24 @@ class SamplingParams:
         return replace(self, top_k=cap if self.top_k == 0 else min(self.top_k, cap))
 
 
+def argmax(values: torch.Tensor) -> torch.Tensor:
+    """``values.argmax(dim=-1)``: the index of the largest value along the last dimension, the lowest on ties (and
+    the first NaN, if any), as int64.
+
+    On the CPU, float32 and float64 go through NumPy, whose argmax is vectorised: on a [5, 49 152] row block (a
+    γ = 4 verification of SmolLM2) it takes ~30 µs where torch's takes ~660 µs, which every greedy verification and
+    every greedy draft level pays. Both return the first maximum, so the result is the same. Elsewhere, torch's.
+    """
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and values.numel():
+        return torch.from_numpy(np.asarray(np.argmax(values.detach().numpy(), axis=-1), dtype=np.int64))
+    return values.argmax(dim=-1)
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Apply ``params`` to ``logits`` [..., V] and return float32 probabilities [..., V] summing to 1."""
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     scaled = logits / params.temperature
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgumentError
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample, sample_with_uniform
+from specdec.sampling import SamplingParams, argmax, logits_to_probs, make_generator, sample, sample_with_uniform
 
 LOGITS = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))
 
@@ -15,6 +15,22 @@ def test_temperature_one_is_softmax() -> None:
 
 def test_temperature_zero_is_one_hot_argmax() -> None:
     assert logits_to_probs(LOGITS, SamplingParams(temperature=0)).tolist() == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9,), (4, 9), (2, 3, 9)])
+def test_argmax_is_torchs_first_maximum(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The NumPy route (CPU float32 / float64) and torch's agree: lowest index on ties, the first NaN wins, any
+    strides, int64 out (a 0-d tensor for one row)."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 3, shape, generator=generator).to(dtype)  # values 0..2 over 9 columns: many ties
+    assert argmax(values).dtype == torch.int64
+    assert torch.equal(argmax(values), values.argmax(dim=-1))
+    values[..., 4] = float("nan")
+    values[..., 7] = float("nan")
+    assert torch.equal(argmax(values), values.argmax(dim=-1)) and (argmax(values) == 4).all()
+    strided = torch.randint(0, 3, (9, *shape[:-1]), generator=generator).to(dtype).movedim(0, -1)
+    assert torch.equal(argmax(strided), strided.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-30, 9e-6])

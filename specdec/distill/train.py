@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from specdec.distill.data import Example
 from specdec.drafters.eagle_head import EagleHead, scaled_attention
 from specdec.errors import InvalidArgumentError
+from specdec.sampling import argmax
 
 CHECKPOINT_FILE = "train-state.pt"
 
@@ -167,7 +168,7 @@ def with_target_argmax(batches: Sequence[Batch], lm_head: torch.Tensor, draft_id
     marked = []
     for batch in batches:
         rows = batch.targets[batch.loss_mask]
-        top = [(chunk.float() @ weight.T).argmax(dim=-1) for chunk in rows.split(_ARGMAX_ROWS)]
+        top = [argmax(chunk.float() @ weight.T) for chunk in rows.split(_ARGMAX_ROWS)]
         marked.append(replace(batch, target_top=index_of[torch.cat(top)] if top else index_of[:0]))
     return marked
 
@@ -231,7 +232,7 @@ def batch_loss(head: EagleHead, batch: Batch, config: TrainConfig) -> tuple[torc
     with torch.no_grad():
         targets = batch.targets[mask].float()  # [R, H]
         target = torch.softmax(head.lm_head(targets), dim=-1)  # [R, K]
-        target_top = target.argmax(dim=-1) if batch.target_top is None else batch.target_top.to(target.device)
+        target_top = argmax(target) if batch.target_top is None else batch.target_top.to(target.device)
     total = torch.zeros(())
     agree = []
     for step, predicted in enumerate(unrolled_forward(head, batch, config.unroll_steps)):
@@ -240,7 +241,7 @@ def batch_loss(head: EagleHead, batch: Batch, config: TrainConfig) -> tuple[torc
         cross_entropy = -(target * log_q).sum(dim=-1).mean()
         regression = F.smooth_l1_loss(rows, targets.to(rows.dtype))
         total = total + config.step_decay**step * (cross_entropy + config.feature_weight * regression)
-        agree.append(float((log_q.argmax(dim=-1) == target_top).float().mean()))
+        agree.append(float((argmax(log_q) == target_top).float().mean()))
     return total, agree
 
 

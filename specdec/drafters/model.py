@@ -36,7 +36,7 @@ from specdec.drafters.base import (
 )
 from specdec.errors import InvalidArgumentError
 from specdec.runner import ForwardItem, KVRunner
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, argmax, logits_to_probs
 from specdec.tree import ROOT, TokenTree
 
 
@@ -226,7 +226,7 @@ def grow_level(draft: TreeDraft, logits: torch.Tensor, levels_left: int) -> None
             others = rank.clone()
             others[children] = 0
             if float(others.max()) > 0:
-                draft.corrections[node] = (int(others.argmax()), float(others.max()))
+                draft.corrections[node] = (int(argmax(others)), float(others.max()))
         for token in children:
             draft.tokens.append(token)
             draft.parents.append(node)
