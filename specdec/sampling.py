@@ -20,6 +20,9 @@ import torch
 from specdec.errors import InvalidArgumentError
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+_ID_BITS = 20  # a token id below 2**20 fits beside a float32's bits in one int64 sort key (top_p_kept)
+TOP_P_CANDIDATES = 1024  # the first tokens of a row's order that top-p sorts before it sorts the whole row
+_ID_MASK = (1 << _ID_BITS) - 1
 MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's default max_logprobs)
 
 
@@ -77,16 +80,51 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         scaled = scaled.masked_fill(scaled < kth, -math.inf)
     probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
+        probs = probs.masked_fill(~top_p_kept(probs, params.top_p), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.min_p > 0:
         floor = params.min_p * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def top_p_kept(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens of ``probs`` [..., V] top-p keeps, as a bool mask: in order of falling probability (ties: lower id
+    first), a token is kept while the mass before it is below ``top_p``.
+
+    On the CPU that order comes from one int64 key per token, the probability's float32 bits (non-negative floats
+    order as their bits do) above the complement of its id, all distinct: NumPy picks a row's first
+    ``TOP_P_CANDIDATES`` of the order in linear time and sorts only them, which settles the row whenever the mass
+    before the last of them reaches ``top_p`` (or it has probability 0), and otherwise sorts every key (~0.5 ms for
+    49 152). torch sorts such a row's floats in ~5 ms there, which a γ = 4 verification at top-p paid five times
+    per request per round.
+    """
+    vocab = probs.shape[-1]
+    if probs.device.type != "cpu" or probs.dtype != torch.float32 or vocab > _ID_MASK + 1:
+        values, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(values, dim=-1) - values
+        return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, mass_before < top_p)
+    rows = probs.detach().reshape(-1, vocab).contiguous()
+    keys = ((rows.view(torch.int32).to(torch.int64) << _ID_BITS) | (_ID_MASK - torch.arange(vocab))).numpy()
+    kept = torch.zeros(rows.shape, dtype=torch.bool)
+    for row, row_keys, row_kept in zip(rows, keys, kept, strict=True):
+        if vocab > TOP_P_CANDIDATES:
+            first = row_keys[np.argpartition(row_keys, vocab - TOP_P_CANDIDATES)[vocab - TOP_P_CANDIDATES :]]
+            ids, mass_before = _in_order(row, first)
+            if mass_before[-1] >= top_p or row[ids[-1]] == 0:
+                row_kept[ids[mass_before < top_p]] = True
+                continue
+        ids, mass_before = _in_order(row, row_keys)
+        row_kept[ids[mass_before < top_p]] = True
+    return kept.reshape(probs.shape)
+
+
+def _in_order(row: torch.Tensor, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids of ``keys`` (:func:`top_p_kept`'s) by falling probability, and the mass of ``row`` before each."""
+    ids = torch.from_numpy(_ID_MASK - (-np.sort(-keys) & _ID_MASK))
+    values = row[ids]
+    return ids, torch.cumsum(values, dim=0) - values
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgumentError
-from specdec.sampling import SamplingParams, argmax, logits_to_probs, make_generator, sample, sample_with_uniform
+from specdec.sampling import (
+    SamplingParams,
+    argmax,
+    logits_to_probs,
+    make_generator,
+    sample,
+    sample_with_uniform,
+    top_p_kept,
+)
 
 LOGITS = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))
 
@@ -15,6 +23,31 @@ def test_temperature_one_is_softmax() -> None:
 
 def test_temperature_zero_is_one_hot_argmax() -> None:
     assert logits_to_probs(LOGITS, SamplingParams(temperature=0)).tolist() == [0, 0, 0, 1]
+
+
+def full_sort_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p by its definition: the whole row in order of falling probability (ties: lower id first), each token kept
+    while the mass before it is below ``top_p``."""
+    values, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(values, dim=-1) - values
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, mass_before < top_p)
+
+
+@pytest.mark.parametrize("vocab", [100, 5000, 49152])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_over_the_candidates_keeps_what_the_full_sort_keeps(vocab: int, top_p: float) -> None:
+    """Peaked and flat rows (a flat one needs more than the first candidates), tied logits, rows already cut by
+    top-k (zeros), and a row block as a verification passes it."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=generator) * torch.tensor([[8.0], [3.0], [1.0], [0.3], [0.0], [1.0]])
+    logits[5] = torch.round(logits[5] * 2) / 2  # a few distinct values: large tie groups
+    rows = [torch.softmax(logits, dim=-1)]
+    cut = logits.masked_fill(logits < torch.topk(logits, 20, dim=-1).values[:, -1:], -torch.inf)
+    rows.append(torch.softmax(cut, dim=-1))
+    for probs in rows:
+        assert torch.equal(top_p_kept(probs, top_p), full_sort_top_p(probs, top_p))
+        for row in probs:  # alone, each row takes its own number of candidates
+            assert torch.equal(top_p_kept(row, top_p), full_sort_top_p(row, top_p))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
