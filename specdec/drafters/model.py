@@ -248,10 +248,14 @@ def draw_children(row_logits: torch.Tensor, q: torch.Tensor, count: int, sequenc
     """
     if sequence.params.greedy:
         return torch.topk(row_logits, count).indices.tolist()
-    if sequence.config.tree_sampling == "without_replacement":
-        count = min(count, int((q > 0).sum()))
-        return torch.multinomial(q, count, replacement=False, generator=sequence.generator).tolist()
-    return torch.multinomial(q, count, replacement=True, generator=sequence.generator).tolist()
+    # Drawn among q's nonzero entries, which is drawing from q: torch's multinomial scans the whole row it is given
+    # (~2.3 ms for 49 152 tokens here), and q, truncated to draft_top_k tokens, is nearly all zeros.
+    support = torch.nonzero(q).squeeze(1)
+    without_replacement = sequence.config.tree_sampling == "without_replacement"
+    if without_replacement:
+        count = min(count, len(support))
+    drawn = torch.multinomial(q[support], count, replacement=not without_replacement, generator=sequence.generator)
+    return support[drawn].tolist()
 
 
 def draft_proposal(draft: TreeDraft, assumed: tuple[int, ...], rejections: tuple[Rejection, ...]) -> Proposal:
