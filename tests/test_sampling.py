@@ -6,11 +6,13 @@ import torch
 from specdec.errors import InvalidArgumentError
 from specdec.sampling import (
     SamplingParams,
+    TopLogprobs,
     argmax,
     logits_to_probs,
     make_generator,
     sample,
     sample_with_uniform,
+    top_logprobs,
     top_p_kept,
 )
 
@@ -139,3 +141,19 @@ def test_seeded_generators_repeat() -> None:
     probs = torch.tensor([0.2, 0.3, 0.5])
     first = [sample(probs, make_generator(7)) for _ in range(3)]
     assert first == [sample(probs, make_generator(7)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("count", [1, 3, 20, 200])
+def test_top_logprobs_are_the_head_of_the_full_stable_sort(count: int) -> None:
+    """Only the tokens at least as probable as the count-th are sorted: the same tokens and order as sorting the
+    whole row (lower id first on ties), with large tie groups, -inf tails and fewer finite tokens than asked for."""
+    generator = torch.Generator().manual_seed(count)
+    peaked = torch.log_softmax(torch.randn(49152, generator=generator) * 3, dim=-1)
+    tied = torch.log_softmax(torch.round(torch.randn(1000, generator=generator)), dim=-1)
+    short = peaked.clone()
+    short[100:] = -torch.inf
+    for row in (peaked, tied, short, torch.tensor([-1.0, -torch.inf, -0.5, -1.0])):
+        values, ids = torch.sort(row, descending=True, stable=True)
+        kept = torch.isfinite(values[:count])
+        expected = TopLogprobs(tuple(ids[:count][kept].tolist()), tuple(values[:count][kept].tolist()))
+        assert top_logprobs(row, count) == expected
