@@ -30,6 +30,7 @@ which forward computes a prompt position's KV and nothing the acceptance rule re
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -546,7 +547,8 @@ def _check_draft_rows(tree: TokenTree, draft_probs: torch.Tensor, vocab: int) ->
         )
     if not len(tree):
         return
-    if not bool(torch.isfinite(draft_probs).all()) or bool((draft_probs < 0).any()):
+    low, high = torch.aminmax(draft_probs)  # one pass (NaN fails both tests); isfinite().all() took ~0.7 ms a round
+    if not (float(low) >= 0 and math.isfinite(float(high))):
         raise InvalidArgumentError("proposal.draft.rows", "probabilities must be finite and >= 0")
     sums = draft_probs.double().sum(dim=-1)
     off = ((sums - 1).abs() > _DRAFT_SUM_TOLERANCE).nonzero().flatten().tolist()

@@ -422,6 +422,10 @@ def test_bad_calls_change_nothing(target) -> None:
     repeated = Proposal(TokenTree((2, 2), (-1, -1)), None, "without_replacement")
     cases = [(field, proposal) for field, proposal in bad.items()]
     cases += [("proposal.draft.rows", Proposal(TokenTree.chain([1]), negative))]
+    for value in (float("nan"), float("inf")):
+        broken = uniform.clone()
+        broken[0, 5] = value
+        cases += [("proposal.draft.rows", Proposal(TokenTree.chain([1]), broken))]
     cases += [("proposal.draft.rows", Proposal(TokenTree.chain([1]), zero_at_token))]
     cases += [("proposal.tree.tokens", repeated)]
     good = VerifyCall("b", Proposal(TokenTree.empty(), None))
