@@ -35,8 +35,10 @@ Every emitted token comes from the verifier's rule, so pipelining never changes 
 
 **Auto**: rounds whose draft length a router-wide :class:`~specdec.adaptive.SpeculationController` chooses every
 round (0: a plain target step, the drafter kept in step by a Commit that travels while the verifier works), up to
-the request's shape, pipelined as above whenever the controller drafts (the pre-draft's length is its choice for
-the next round, made when the pre-draft starts; 0 pre-drafts nothing and draws the bonus at once). Each
+the request's shape, pipelined as above where the controller says pre-drafting pays
+(:meth:`~specdec.adaptive.SpeculationController.pipelining_pays`: it defers a whole acceptance's bonus, so it pays
+only where the drafting it hides costs more) and sequential otherwise; the pre-draft's length is the controller's
+choice for the next round, made when the pre-draft starts (0 pre-drafts nothing and draws the bonus at once). Each
 session decides for itself, with the rest of its verifier's last forward (positions, sequences: the verdict reports
 them) as the load it shares the forward with; every taken round teaches the controller the request's acceptance and
 the costs (forward by positions, draft per level, the rest).
@@ -602,9 +604,7 @@ class Session:
 
     def _predraft_budget(self, size: int) -> int:
         """Nodes to pre-draft while a proposal of ``size`` nodes is verified: whatever the request has room for
-        after it, or under ``auto`` the controller's choice for the next round (0: none, nor a deferred bonus).
-        ``auto`` pipelines whenever it drafts: a hit hides the next round's drafting behind this verification, and
-        the short chains the controller picks where acceptance is modest are the ones most often fully accepted."""
+        after it, or under ``auto`` the controller's choice for the next round (0: none, nor a deferred bonus)."""
         budget = self.remaining - size - 1
         if budget >= 1 and self._controller is not None:
             budget = self._auto_budget(budget)
@@ -617,19 +617,24 @@ class Session:
         rest of the last forward (other sequences) is the load this one shares."""
         assert self._controller is not None and self._tracker is not None
         shape = self.plan.shape
-        positions, sequences = self._last_forward
         nodes = min(budget, shape.tree_budget or shape.tree_width * shape.num_draft_tokens)
         if shape.is_chain:
             candidate = Candidate(self._tracker, min(budget, shape.num_draft_tokens))
         else:
             candidate = Candidate(self._tracker, shape.num_draft_tokens, nodes)
-        others = max(sequences - 1, 0)
-        [length] = self._controller.choose(
-            [candidate],
-            other_positions=max(positions - self._last_size - 1, others),
-            other_tokens=others * self._controller.tokens_per_round.value,
-        )
+        [length] = self._controller.choose([candidate], **self._shared_load())
         return length if shape.is_chain else (nodes if length else 0)
+
+    def _shared_load(self) -> dict[str, Any]:
+        """What the other sequences of this request's verifier's last forward add to it: positions and the tokens
+        they are expected to commit (the controller's ``other_positions`` / ``other_tokens``)."""
+        assert self._controller is not None
+        positions, sequences = self._last_forward
+        others = max(sequences - 1, 0)
+        return {
+            "other_positions": max(positions - self._last_size - 1, others),
+            "other_tokens": others * self._controller.tokens_per_round.value,
+        }
 
     async def _take_predraft(self, predraft: PreDraft, drafted: Drafted, verified: Verified) -> tuple[bool, bool]:
         """After the verdict on ``drafted``: keep the pre-draft it selects (waiting for it), or abandon it unawaited.
@@ -689,6 +694,10 @@ class Session:
             and size > 0
             and bool(drafted.assumed_path)
         )
+        if pipelined and self._controller is not None:
+            assert drafted is not None and self._tracker is not None
+            depth = drafted.tree.max_depth()
+            pipelined = self._controller.pipelining_pays(self._tracker, depth, size, **self._shared_load())
         predraft_budget = self._predraft_budget(size) if pipelined else 0
         pipelined = predraft_budget >= 1  # room for a next proposal the controller wants; else draw the bonus now
         verifier, sequence_id = self.verifier, self.sequence_id
@@ -746,7 +755,8 @@ class Session:
                 self._last_size = record.draft_size
             forward_s, draft_s = verified.verify_ns / 1e9, record.exposed_draft_ns / 1e9
             other_s = record.wall_ns / 1e9 - forward_s - draft_s
-            self._controller.observe_round(verified.forward_positions, forward_s, depth, draft_s, other_s)
+            drafted_levels = depth if record.exposed_draft_ns else 0  # a pre-draft's levels cost this round nothing
+            self._controller.observe_round(verified.forward_positions, forward_s, drafted_levels, draft_s, other_s)
 
     def _take(self, verified: Verified) -> Chunk:
         """Account the verdict's tokens (cut at the budget or a stop string); set ``finish_reason`` when done."""

@@ -11,7 +11,9 @@ sequences level by level), and one target forward over every position (the curve
 :class:`SpeculationController` picks the γ_r that maximise the batch's goodput ``Σ_r E_r(γ_r) / T`` (SmartSpec's
 objective), from each request's measured, decayed acceptance by position (:class:`AcceptanceTracker`) and the
 measured costs (:class:`ForwardCostCurve`, :class:`RoundCost`). When verification is the bottleneck and a drafted
-token costs more time than it commits, every γ_r is 0: plain target steps.
+token costs more time than it commits, every γ_r is 0: plain target steps. Whether a round that drafts should also
+pre-draft the next proposal while it is verified is a second choice (:meth:`SpeculationController.pipelining_pays`):
+a pre-draft defers the bonus token of a whole acceptance, so it pays only where the drafting it hides costs more.
 
 Speculation must also clear a margin (``min_gain``, 5 % by default): a choice predicted to beat plain target steps
 by less is not taken. The costs are wall-clock measurements, noisy on a shared machine, and a drafter that is only
@@ -235,6 +237,40 @@ class SpeculationController:
         if draft_levels > 0:
             self.cost.draft_level_s.add(draft_s / draft_levels)
         self.cost.overhead_s.add(max(other_s, 0.0))
+
+    def pipelining_pays(
+        self,
+        tracker: AcceptanceTracker,
+        depth: int,
+        positions: int,
+        *,
+        other_positions: int = 0,
+        other_tokens: float = 0.0,
+    ) -> bool:
+        """Whether to pre-draft the next proposal while a proposal ``depth`` levels deep with ``positions`` nodes is
+        verified (pipelined), rather than draft it after the verdict (sequential); the load is as in :meth:`choose`.
+
+        A pre-draft assumes the proposal is accepted whole. Where it is (probability ``G = Π α`` over its depth) the
+        next round's drafting is already done, but that verdict's bonus token is deferred: the next round's first
+        drafted position is checked against its logits row, which the verifier holds, so that forward has one
+        position fewer. Counting tokens per round, a pipelined round commits ``E − G`` where a sequential one
+        commits ``E`` (at depth 1 a pipelined round always commits exactly one token, a plain target step's worth,
+        on a larger forward). So pipelining pays only where the drafting it hides is worth more than the bonus::
+
+            sequential  E / (overhead + draft_level · depth + forward(1 + positions))
+            pipelined   (E − G) / (overhead + (1 − G) · draft_level · depth + G · forward(positions)
+                                   + (1 − G) · forward(1 + positions))
+        """
+        if depth < 1 or positions < 1:
+            return False
+        gains = tracker.gains(min(depth, tracker.max_length))
+        expected, whole = 1 + sum(gains), gains[-1]
+        cost, drafting = self.cost, self.cost.draft_level_s.value * depth
+        after_miss = cost.forward.seconds(other_positions + 1 + positions)
+        after_hit = cost.forward.seconds(other_positions + positions)
+        sequential = (other_tokens + expected) / (cost.overhead_s.value + drafting + after_miss)
+        pipelined_s = cost.overhead_s.value + (1 - whole) * (drafting + after_miss) + whole * after_hit
+        return (other_tokens + expected - whole) / pipelined_s > sequential
 
     def choose(
         self,

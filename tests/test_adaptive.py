@@ -112,6 +112,22 @@ def test_a_tree_is_sent_whole_or_not_at_all() -> None:
     assert dear.choose([Candidate(fixed_tracker(0.6), 3, tree_nodes=6)]) == [0]
 
 
+def test_pipelining_pays_only_where_the_drafting_it_hides_outweighs_the_deferred_bonus() -> None:
+    """Forward 10 ms + 1 ms per extra position, every position accepted at 0.8, a chain 4 deep: E = 3.3616 tokens,
+    whole acceptance G = 0.4096. Sequential: E / (4 d + 14) ms; pipelined: (E - G) / ((1 - G)(4 d + 14) + 13 G)."""
+    tracker = fixed_tracker(0.8)
+    cheap = controller_with(lambda n: 10 + (n - 1), draft_level_ms=0.5)  # 0.2101 vs 0.1999 tokens/ms
+    assert not cheap.pipelining_pays(tracker, 4, 4)
+    dear = controller_with(lambda n: 10 + (n - 1), draft_level_ms=5.0)  # 0.0989 vs 0.1163 tokens/ms
+    assert dear.pipelining_pays(tracker, 4, 4)
+    # One level deep a pipelined round commits exactly one token, as a plain step does: at 5 ms per level
+    # sequential 1.8 / 16 beats pipelined 1 / 11.2 tokens/ms (and plain steps, 1 / 10, beat both).
+    assert not dear.pipelining_pays(tracker, 1, 1)
+    free = controller_with(lambda n: 10 + (n - 1))  # drafting that costs nothing gains nothing from being hidden
+    assert not any(free.pipelining_pays(fixed_tracker(rate), depth, depth) for rate in (0.3, 0.9) for depth in (1, 4))
+    assert not dear.pipelining_pays(tracker, 0, 0)
+
+
 @pytest.mark.parametrize(("rate", "best"), [(0.85, 7), (0.05, 0)])
 def test_learns_acceptance_and_cost_from_simulated_rounds(rate: float, best: int) -> None:
     """Rounds on a simulated verifier (10 ms + 1 ms per position, ±10 % noise) with a drafter whose every position

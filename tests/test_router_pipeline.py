@@ -18,6 +18,7 @@ import pytest
 from router.errors import WorkerError, WorkerRejectedError, WorkerUnavailableError
 from router.pipeline import Chunk, Commit, Drafted, Final, SequenceSpec, Session, Verified, derive_seed
 from router.requests import DraftShape, Plan
+from specdec.adaptive import SpeculationController
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from tests.controllers import CyclingController
@@ -620,4 +621,29 @@ def test_auto_pipelines_the_draft_length_the_controller_picks_next(wrong_every: 
     )
     assert (stats.pipeline_misses > 0) == bool(wrong_every)
     assert set(proposals) <= {1, 2, 3} and stats.rounds_per_draft_size[0] > 0  # some rounds drafted nothing
+    assert_clean(placement)
+
+
+def test_auto_drafts_sequentially_when_the_drafting_a_predraft_would_hide_costs_nothing() -> None:
+    """The measured controller under ``auto`` with a drafter whose every token is accepted and whose drafting costs
+    microseconds: it drafts every round, after the verdict (no pre-draft). Before, ``auto`` pre-drafted whenever it
+    drafted, and a pre-drafted round defers a whole acceptance's bonus: on the CPU stack auto chose γ = 1 there, whose
+    pipelined rounds commit exactly one token each, and ran at 0.88x of speculation off."""
+    drafter = FakeDrafter()
+    placement = FakePlacement([FakeVerifier()], [drafter])
+    chunks: list[Chunk] = []
+
+    async def emit(chunk: Chunk) -> None:
+        chunks.append(chunk)
+
+    session = Session(
+        make_plan("auto", max_tokens=30), placement, emit, sequence_id="seq", controller=SpeculationController(4)
+    )
+    final = asyncio.run(session.run())
+    tokens = [token for chunk in chunks for token in chunk.token_ids]
+    assert tokens == reference(PROMPT, 30)[0]
+    check_stats(final, tokens, "auto")
+    assert final.stats.draft_tokens > 0 and final.stats.rounds < len(tokens)
+    assert final.stats.pipeline_hits == final.stats.pipeline_misses == 0
+    assert drafter.log.count("propose-assume") == 0
     assert_clean(placement)
