@@ -258,19 +258,16 @@ class SpeculationController:
         on a larger forward). So pipelining pays only where the drafting it hides is worth more than the bonus::
 
             sequential  E / (overhead + draft_level · depth + forward(1 + positions))
-            pipelined   (E − G) / (overhead + (1 − G) · draft_level · depth + G · forward(positions)
-                                   + (1 − G) · forward(1 + positions))
+            pipelined   (E − G) / ((1 − G) · sequential round + G · (overhead + forward(positions)))
         """
         if depth < 1 or positions < 1:
             return False
         gains = tracker.gains(min(depth, tracker.max_length))
         expected, whole = 1 + sum(gains), gains[-1]
-        cost, drafting = self.cost, self.cost.draft_level_s.value * depth
-        after_miss = cost.forward.seconds(other_positions + 1 + positions)
-        after_hit = cost.forward.seconds(other_positions + positions)
-        sequential = (other_tokens + expected) / (cost.overhead_s.value + drafting + after_miss)
-        pipelined_s = cost.overhead_s.value + (1 - whole) * (drafting + after_miss) + whole * after_hit
-        return (other_tokens + expected - whole) / pipelined_s > sequential
+        sequential_s = self.cost.seconds(other_positions + 1 + positions, depth)
+        after_hit_s = self.cost.seconds(other_positions + positions, 0)  # drafted while the last round verified
+        pipelined_s = (1 - whole) * sequential_s + whole * after_hit_s
+        return (other_tokens + expected - whole) / pipelined_s > (other_tokens + expected) / sequential_s
 
     def choose(
         self,
