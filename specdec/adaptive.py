@@ -8,6 +8,9 @@ is always the target's. Verifying a batch whose requests draft γ_r takes about
 
 seconds: a fixed cost per round (router, wire, queueing), one draft step per level (drafting is batched across
 sequences level by level), and one target forward over every position (the curve the verifier's forwards trace).
+The fixed cost is learnt apart for rounds that draft: disaggregated, they also wait for a call to the drafter and
+carry a larger verify message, and a single average over both kinds, mostly plain rounds where drafting rarely
+pays, would price a drafting round as cheap as a plain one and keep drafting where it loses.
 :class:`SpeculationController` picks the γ_r that maximise the batch's goodput ``Σ_r E_r(γ_r) / T`` (SmartSpec's
 objective), from each request's measured, decayed acceptance by position (:class:`AcceptanceTracker`) and the
 measured costs (:class:`ForwardCostCurve`, :class:`RoundCost`). When verification is the bottleneck and a drafted
@@ -110,15 +113,27 @@ class ForwardCostCurve:
 
 @dataclass
 class RoundCost:
-    """What a round costs besides its forward: per draft level, and fixed (router, wire, queueing)."""
+    """What a round costs besides its forward: per draft level, and fixed (router, wire, queueing), the fixed cost
+    for rounds that draft (``drafting_overhead_s``) apart from plain rounds' (``overhead_s``); until a drafting
+    round is measured it is taken to be a plain round's."""
 
     forward: ForwardCostCurve = field(default_factory=ForwardCostCurve)
     draft_level_s: MovingAverage = field(default_factory=MovingAverage)
     overhead_s: MovingAverage = field(default_factory=MovingAverage)
+    drafting_overhead_s: MovingAverage = field(default_factory=MovingAverage)
 
     def seconds(self, positions: int, draft_levels: int) -> float:
         """A round with ``positions`` in its forward whose longest draft has ``draft_levels`` levels."""
-        return self.overhead_s.value + self.draft_level_s.value * draft_levels + self.forward.seconds(positions)
+        return self.fixed_s(draft_levels) + self.draft_level_s.value * draft_levels + self.forward.seconds(positions)
+
+    def fixed_s(self, draft_levels: int) -> float:
+        """The fixed cost of a round that drafts ``draft_levels`` levels (0: a plain round)."""
+        drafting = self.drafting_overhead_s
+        return drafting.value if draft_levels > 0 and drafting.samples else self.overhead_s.value
+
+    def observe_fixed(self, draft_levels: int, seconds: float) -> None:
+        """A measured round's fixed cost: its wall time less its forward and the drafting it waited for."""
+        (self.drafting_overhead_s if draft_levels > 0 else self.overhead_s).add(max(seconds, 0.0))
 
 
 class AcceptanceTracker:
@@ -236,7 +251,7 @@ class SpeculationController:
         self.cost.forward.observe(positions, forward_s)
         if draft_levels > 0:
             self.cost.draft_level_s.add(draft_s / draft_levels)
-        self.cost.overhead_s.add(max(other_s, 0.0))
+        self.cost.observe_fixed(draft_levels, other_s)
 
     def pipelining_pays(
         self,

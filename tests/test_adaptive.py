@@ -180,3 +180,22 @@ def test_an_idle_request_probes_one_level() -> None:
         controller.observe_verdict(tracker, length, 0)
         lengths.append(length)
     assert lengths == ([0] * 16 + [1]) * 2 + [0] * 6
+
+
+def test_a_drafting_rounds_own_fixed_cost_is_priced_apart_from_plain_rounds() -> None:
+    # Rounds that draft wait for the drafter (8 ms besides the forward) where plain ones cost 1 ms; drafting rarely
+    # happens, so an average over all rounds stays near 1 ms and would make γ = 1 look worth it: 1.5 tokens in
+    # 1.7 + 1 + 10 ms against 1 token in 11 ms. At its true 8 ms no γ pays (γ = 1: 1.5 / 19 < 1 / 11).
+    controller = SpeculationController(8, probe_every=1000)
+    for round_index in range(200):
+        drafted = round_index % 10 == 9
+        levels = 1 if drafted else 0
+        other_s = 8e-3 if drafted else 1e-3
+        controller.observe_round(1 + levels, 10e-3, levels, 1e-3 * levels, other_s)
+    tracker = fixed_tracker(0.5)
+    assert controller.cost.seconds(2, 1) == pytest.approx(19e-3, rel=0.02)
+    assert controller.choose([Candidate(tracker, 8)]) == [0]
+    controller.observe_round(2, 10e-3, 1, 1e-3, 1e-3)  # the drafter got cheap: its fixed cost falls towards 1 ms
+    for _ in range(30):
+        controller.observe_round(2, 10e-3, 1, 1e-3, 1e-3)
+    assert controller.choose([Candidate(tracker, 8)])[0] >= 1
