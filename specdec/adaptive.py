@@ -272,8 +272,10 @@ class SpeculationController:
         commits ``E`` (at depth 1 a pipelined round always commits exactly one token, a plain target step's worth,
         on a larger forward). So pipelining pays only where the drafting it hides is worth more than the bonus::
 
-            sequential  E / (overhead + draft_level · depth + forward(1 + positions))
-            pipelined   (E − G) / ((1 − G) · sequential round + G · (overhead + forward(positions)))
+            sequential  E / (fixed(drafting) + draft_level · depth + forward(1 + positions))
+            pipelined   (E − G) / ((1 − G) · sequential round + G · (fixed(plain) + forward(positions)))
+
+        (``fixed``: :meth:`RoundCost.fixed_s`; a round whose proposal was pre-drafted waits for no drafter.)
         """
         if depth < 1 or positions < 1:
             return False
