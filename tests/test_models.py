@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -13,8 +14,8 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from specdec.errors import IncompatibleDraftError, ModelNotFoundError
-from specdec.models import LoadedModel, check_same_vocabulary, load_model
-from tests.tiny_models import smollm2, tiny_draft, tiny_llama
+from specdec.models import LoadedModel, ModelShape, check_same_vocabulary, load_model, load_shape, load_tokenizer
+from tests.tiny_models import SMOLLM2, smollm2, tiny_draft, tiny_llama
 
 
 def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
@@ -37,6 +38,40 @@ def test_alias_loads_smollm2() -> None:
         logits = loaded.model(torch.tensor([ids])).logits[0, -1]
     assert loaded.tokenizer.decode(logits.argmax()).strip() == "Paris"
     check_same_vocabulary(loaded, loaded)
+
+
+@pytest.mark.slow
+def test_a_gguf_model_loads_from_its_float32_copy_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    chat = [{"role": "user", "content": "Write a haiku about the sea."}]
+    ids = torch.tensor([[1, 520, 3332, 314, 4484, 28, 2, 17, 88, 999]])
+    not_a_directory = tmp_path / "cache-file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv("SPECDEC_CACHE", str(not_a_directory))  # no copy can be made: the GGUF file itself loads
+    with caplog.at_level(logging.WARNING, logger="specdec.models"):
+        from_gguf = load_model(SMOLLM2)
+    assert "cannot cache a float32 copy" in caplog.text
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_CACHE", str(cache))
+    load_model(SMOLLM2)  # the first load makes the copy
+    [copy_dir] = (cache / "models").iterdir()
+    assert copy_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-") and (copy_dir / "model.safetensors").is_file()
+    from_copy = load_model(SMOLLM2)
+    with torch.inference_mode():
+        torch.testing.assert_close(from_copy.model(ids).logits, from_gguf.model(ids).logits, atol=0, rtol=0)
+    assert from_copy.model.lm_head.weight.data_ptr() == from_copy.model.model.embed_tokens.weight.data_ptr()
+    assert from_copy.eos_token_ids == from_gguf.eos_token_ids
+    for tokenizer in (from_copy.tokenizer, load_tokenizer(SMOLLM2)):
+        assert tokenizer.get_vocab() == from_gguf.tokenizer.get_vocab()
+        assert tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True
+        ) == from_gguf.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    assert load_shape(SMOLLM2) == ModelShape.of(from_gguf)
+    halved = load_model(SMOLLM2, dtype=torch.bfloat16)
+    for name, tensor in halved.model.state_dict().items():
+        assert torch.equal(tensor, from_gguf.model.state_dict()[name].to(torch.bfloat16)), name
 
 
 def test_local_directory_loads(tmp_path: Path) -> None:
