@@ -26,10 +26,9 @@ import torch
 
 from bench.eagle import heldout_prompts
 from specdec.adaptive import SpeculationController
-from specdec.cli import quiet_model_loading
 from specdec.drafters import DraftConfig, build_drafter
 from specdec.engine import Engine, GenerationRequest
-from specdec.models import load_model
+from specdec.models import load_model, quiet_model_loading
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from specdec.cli import encode_prompt, quiet_model_loading
+from specdec.cli import encode_prompt
 from specdec.drafters import DraftConfig, build_drafter
 from specdec.engine import Engine, GenerationRequest, SpecStats
-from specdec.models import LoadedModel, load_model
+from specdec.models import LoadedModel, load_model, quiet_model_loading
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 

@@ -473,11 +473,11 @@ def main(argv: list[str] | None = None) -> None:
     from bench.colocated import PROMPTS, load_prompts
     from bench.load.report import cpu_model
     from bench.services import Services
-    from specdec.cli import encode_prompt, quiet_model_loading
+    from specdec.cli import encode_prompt
     from specdec.client import Client
     from specdec.drafters import DraftConfig, build_drafter
     from specdec.engine import Engine
-    from specdec.models import load_model
+    from specdec.models import load_model, quiet_model_loading
     from specdec.runner import KVRunner
 
     torch.set_num_threads(args.colocated_threads)

@@ -47,14 +47,13 @@ from bench.disaggregated import interleave_categories
 from bench.eagle_agreement import teacher_forced_agreement
 from bench.load.report import cpu_model
 from specdec.cache import default_head_dir
-from specdec.cli import quiet_model_loading
 from specdec.distill.command import SUMMARY_FILE
 from specdec.distill.data import encode_chat
 from specdec.distill.prompts import load_prompt_set
 from specdec.drafters import DraftConfig, Drafter, EagleDrafter, Proposal, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
 from specdec.errors import InvalidArgumentError
-from specdec.models import LoadedModel, load_model
+from specdec.models import LoadedModel, load_model, quiet_model_loading
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 from specdec.verification import VerifyOutcome

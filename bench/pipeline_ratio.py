@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     from bench.colocated import PROMPTS, load_prompts
     from bench.services import Services
     from specdec.cache import default_head_dir
-    from specdec.cli import encode_prompt, quiet_model_loading
+    from specdec.cli import encode_prompt
     from specdec.client import Client
-    from specdec.models import load_model
+    from specdec.models import load_model, quiet_model_loading
 
     quiet_model_loading()
     sizes = [int(size) for size in args.draft_vocab_sizes.split(",")]

@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from bench.colocated import PROMPTS, load_prompts
     from bench.services import Services
-    from specdec.cli import encode_prompt, quiet_model_loading
+    from specdec.cli import encode_prompt
     from specdec.client import Client
-    from specdec.models import load_model
+    from specdec.models import load_model, quiet_model_loading
 
     quiet_model_loading()
     load_before = load_average()

@@ -1,6 +1,7 @@
 """``specdec`` command line: ``specdec generate PROMPT`` runs the co-located engine, or with ``--router HOST:PORT``
 sends the request to a router through the client SDK (:mod:`specdec.client`); both print the same ``--json``
-object. The SDK, and with it gRPC, is imported only for ``--router``.
+object. The SDK, and with it gRPC, is imported only for ``--router``; torch and transformers only by a command that
+runs a model (``generate`` without ``--router``, ``distill``), so that ``specdec status`` answers in a second.
 
 The core's own subcommands are registered by :func:`register_core_commands`; the others (``bench``, ``up`` /
 ``status`` / ``down``) live in packages layered above the core, which must not import them (DESIGN §10), so they
@@ -15,17 +16,16 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
-
-from transformers.utils import logging as transformers_logging
+from typing import TYPE_CHECKING
 
 from specdec.check.command import register_check
-from specdec.distill.command import register_distill
-from specdec.drafters import DRAFTER_KINDS, DraftConfig, build_drafter
-from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
+from specdec.distill.cli import register_distill
+from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError, SpecdecError
-from specdec.models import LoadedModel, load_model
-from specdec.runner import KVRunner
-from specdec.sampling import SamplingParams
+from specdec.stats import GenerationResult, SpecStats
+
+if TYPE_CHECKING:
+    from specdec.models import LoadedModel
 
 COMMANDS_GROUP = "specdec.commands"
 
@@ -106,6 +106,8 @@ def result_json(text: str, result: GenerationResult) -> dict:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from specdec.sampling import SamplingParams  # checks the sampling flags here, with or without --router
+
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
     if not args.prompt:
         raise InvalidArgumentError("prompt", "must not be empty")
@@ -115,6 +117,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         return _run_on_router(args)
     if args.stop or args.speculation:
         raise InvalidArgumentError("stop" if args.stop else "speculation", "is only supported with --router")
+    from specdec.drafters import DraftConfig, build_drafter  # the model stack: only to generate in this process
+    from specdec.engine import Engine, GenerationRequest
+    from specdec.models import load_model, quiet_model_loading
+    from specdec.runner import KVRunner
+
+    quiet_model_loading()
     config = DraftConfig(
         num_draft_tokens=4 if args.num_draft_tokens is None else args.num_draft_tokens,
         tree_width=1 if args.tree_width is None else args.tree_width,
@@ -219,12 +227,6 @@ def _run_on_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def quiet_model_loading() -> None:
-    """Keep transformers' per-tensor progress bars and warnings off a command's output."""
-    transformers_logging.disable_progress_bar()
-    transformers_logging.set_verbosity_error()
-
-
 def register_core_commands(subparsers: argparse._SubParsersAction) -> dict[str, Run]:
     """The subcommands of the core library itself (a :data:`Register`)."""
     _generate_parser(subparsers)
@@ -249,7 +251,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Run]]:
 def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     args = parser.parse_args(argv)
-    quiet_model_loading()
     try:
         return commands[args.command](args)
     except (SpecdecError, OSError, RuntimeError, ValueError) as error:

@@ -22,7 +22,7 @@ from specdec.adaptive import AcceptanceTracker, Candidate, SpeculationController
 from specdec.drafters.base import Drafter, Proposal
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams, TopLogprobs
-from specdec.stats import AcceptanceCounts
+from specdec.stats import GenerationResult, SpecStats
 from specdec.tree import TokenTree
 from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
 
@@ -39,31 +39,6 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-
-
-@dataclass
-class SpecStats(AcceptanceCounts):
-    """Speculation counters and time split of one request (DESIGN §7 vocabulary)."""
-
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    state_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """``logprobs`` and ``top_logprobs`` (one per token) are empty unless the request asked for them."""
-
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS) or "length"
-    stats: SpecStats
-    elapsed_s: float
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 @dataclass

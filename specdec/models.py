@@ -22,6 +22,7 @@ from typing import TypeVar
 import torch
 from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as transformers_logging
 
 from specdec.cache import gguf_copy_dir
 from specdec.errors import IncompatibleDraftError, ModelNotFoundError
@@ -59,6 +60,12 @@ class ModelShape:
     @classmethod
     def of(cls, loaded: LoadedModel) -> ModelShape:
         return cls(loaded.name, loaded.vocab_size, int(loaded.model.config.hidden_size))
+
+
+def quiet_model_loading() -> None:
+    """Keep transformers' per-tensor progress bars and warnings off a command's output."""
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
 
 
 def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:

@@ -1,8 +1,13 @@
-"""Per-request speculation counters shared by the co-located engine and the router (DESIGN §7)."""
+"""Per-request speculation counters shared by the co-located engine and the router (DESIGN §7), and the engine's
+result of one request: plain data, importable without torch (the command line prints them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specdec.sampling import TopLogprobs
 
 
 @dataclass
@@ -30,3 +35,28 @@ class AcceptanceCounts:
         self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
         for position in range(accepted):
             self.accepted_per_position[position] += 1
+
+
+@dataclass
+class SpecStats(AcceptanceCounts):
+    """Speculation counters and time split of one request (DESIGN §7 vocabulary)."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    state_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """``logprobs`` and ``top_logprobs`` (one per token) are empty unless the request asked for them."""
+
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS) or "length"
+    stats: SpecStats
+    elapsed_s: float
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import specdec.cli
+import specdec.models
 from specdec.cli import encode_prompt, main
 from specdec.distill.command import resample_id, sampling_for
 from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
@@ -40,7 +40,7 @@ def cached_target(monkeypatch: pytest.MonkeyPatch) -> None:
     def load(name: str, **kwargs):
         return smollm2() if name == SMOLLM2 and not kwargs else load_model(name, **kwargs)
 
-    monkeypatch.setattr(specdec.cli, "load_model", load)
+    monkeypatch.setattr(specdec.models, "load_model", load)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_bad_argument_is_one_line_naming_the_field(case: str, capsys, monkeypatc
     def no_load(name: str, **kwargs):
         raise AssertionError("a bad argument must be rejected before loading a model")
 
-    monkeypatch.setattr(specdec.cli, "load_model", no_load)
+    monkeypatch.setattr(specdec.models, "load_model", no_load)
     argv, fields = BAD_ARGUMENTS[case]
     assert_clean_error(*run_main(capsys, *argv), *fields)
 

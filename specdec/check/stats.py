@@ -27,8 +27,9 @@ Under the null, conditional on the prefix counts the tokens at position ``j`` of
 of one next-token law (each generation samples its next token from ``p(· | prefix)`` whatever came before), so
 each table's test is exact or asymptotically exact and Holm controls the family-wise error of the configuration.
 
-Only numpy and torch (``torch.special.gammaincc`` for the χ² tail) are used at run time; tests check every
-function against scipy.
+Only numpy and torch (``torch.special.gammaincc`` for the χ² tail, imported there: ``specdec``'s command line
+builds its parser from this package without paying for torch) are used at run time; tests check every function
+against scipy.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import torch
 
 END = "<end>"
 """The symbol after the last token of a generation that finished before ``k`` tokens."""
@@ -79,6 +79,8 @@ def chi2_sf(statistic: float, df: int) -> float:
         raise ValueError(f"df must be >= 1, got {df}")
     if statistic <= 0:
         return 1.0
+    import torch
+
     a = torch.tensor(df / 2, dtype=torch.float64)
     x = torch.tensor(statistic / 2, dtype=torch.float64)
     return float(torch.special.gammaincc(a, x))

@@ -50,7 +50,7 @@ from specdec.distill.train import (
 )
 from specdec.drafters.eagle_head import EagleHead, HeadInfo, eagle3_layers, save_head
 from specdec.errors import InvalidArgumentError
-from specdec.models import LoadedModel, load_model
+from specdec.models import LoadedModel, load_model, quiet_model_loading
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 
@@ -58,46 +58,9 @@ VOCAB_FILE = "draft-vocab.pt"
 SUMMARY_FILE = "train-summary.json"  # what the saved head cost: data, minutes, tokens, held-out agreement
 
 
-def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argparse.Namespace], int]:
-    """Add ``distill`` to ``subparsers``; returns its run function."""
-    parser = subparsers.add_parser("distill", help="train an EAGLE draft head from the target's own outputs")
-    parser.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, local directory or hub id")
-    parser.add_argument("--out", type=Path, help="head directory (default: the cached head for --target)")
-    parser.add_argument("--data", type=Path, help="your own conversations (JSONL, last message the assistant's)")
-    parser.add_argument("--data-minutes", type=float, default=30.0, help="time budget of data generation")
-    parser.add_argument("--max-tokens", type=int, default=160, help="longest generated response")
-    parser.add_argument(  # the shipped prompts run out at ~370 k response tokens; more samples add contexts
-        "--responses-per-prompt",
-        type=int,
-        default=1,
-        help="responses the target writes to each training prompt; those past the first are sampled at T=0.7",
-    )
-    parser.add_argument("--batch-size", type=int, default=48, help="sequences generated together")
-    parser.add_argument("--steps", type=int, help="training steps (deterministic budget)")
-    parser.add_argument("--minutes", type=float, help="training time budget (default 10 when --steps is not given)")
-    parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size K")
-    parser.add_argument("--layers", type=int, default=1, help="decoder layers of the head")
-    parser.add_argument(  # fused by default: +7.5 points of held-out agreement at equal training time (README)
-        "--features",
-        choices=("final", "fused"),
-        default="fused",
-        help="what the head reads: a low, middle and high target layer (EAGLE-3) or the final-norm rows (EAGLE-1)",
-    )
-    parser.add_argument("--unroll-steps", type=int, default=3, help="training-time unrolled steps (1: none)")
-    parser.add_argument("--feature-weight", type=float, default=0.2, help="weight of the feature regression loss")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
-    parser.add_argument(
-        "--snapshot-minutes", default="", help="comma-separated training minutes at which to keep a copy of the head"
-    )
-    parser.add_argument("--held-out-prompts", type=int, default=64, help="held-out prompts that rank checkpoints")
-    parser.add_argument("--fp32", action="store_true", help="train in float32 (default: bfloat16 autocast)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="where the target generates and the head trains")
-    return run_distill
-
-
 def run_distill(args: argparse.Namespace) -> int:
+    """Run ``specdec distill`` (its arguments: :func:`specdec.distill.cli.register_distill`)."""
+    quiet_model_loading()
     torch.manual_seed(args.seed)
     target = load_model(args.target, device=args.device)
     if not 1 <= args.draft_vocab <= target.vocab_size:

@@ -7,11 +7,11 @@ Every drafter supports pipelining (``assume_accepted``) and rollback (``sync``);
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from specdec.cache import default_head_dir
+from specdec.drafter_kinds import DRAFTER_KINDS, SHAPE_ONLY_KINDS, DrafterKind
 from specdec.drafters.base import DraftConfig, Drafter, Proposal, SequenceDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.model import ModelDrafter
@@ -19,10 +19,6 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import InvalidArgumentError, ModelNotFoundError
 from specdec.models import LoadedModel, ModelShape, check_same_vocabulary, load_model
 from specdec.runner import KVRunner
-
-DrafterKind = Literal["none", "ngram", "model", "early-exit", "eagle"]
-DRAFTER_KINDS: tuple[str, ...] = ("none", "ngram", "model", "early-exit", "eagle")
-SHAPE_ONLY_KINDS: tuple[str, ...] = ("none", "ngram", "eagle")  # run none of the target's weights
 
 __all__ = [
     "DRAFTER_KINDS",
