@@ -12,7 +12,8 @@ from grpc_common.arrivals import DEFAULT_FRACTION
 from grpc_common.convert import MAX_PROPOSAL_NODES
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
-from specdec.drafters import DRAFTER_KINDS, DraftConfig
+from specdec.drafter_kinds import DRAFTER_KINDS
+from specdec.drafters import DraftConfig
 from specdec.errors import InvalidArgumentError
 
 SERVED_KINDS: tuple[str, ...] = tuple(kind for kind in DRAFTER_KINDS if kind != "none")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
-from specdec.drafters import DRAFTER_KINDS
+from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
 
 ENV_PREFIX = "SPECDEC_ROUTER_"

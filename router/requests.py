@@ -21,7 +21,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from router.config import RouterConfig
-from specdec.drafters import DRAFTER_KINDS
+from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
 from specdec.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
