@@ -23,11 +23,12 @@ lint: install
 	$(BIN)/ruff format --check .
 
 # Two pytest workers, one per core: each test runs its models on one thread (tests/conftest.py), so one worker
-# leaves a core idle. A file's tests stay on one worker (--dist loadfile), sharing its module fixtures.
+# leaves a core idle. A file's tests stay on one worker (--dist loadfile), sharing its module fixtures; files go
+# out in the order tests/conftest.py gives them (the longest first), not xdist's (--no-loadscope-reorder).
 TEST_WORKERS ?= 2
 
 test: install lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.demo
