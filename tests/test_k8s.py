@@ -507,7 +507,7 @@ def test_images_are_pinned_and_set_in_one_place(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_model_cache_volume_backs_hf_home_on_every_worker(overlay: str) -> None:
+def test_model_cache_volume_backs_hf_home_and_specdec_cache_on_every_worker(overlay: str) -> None:
     docs = render(overlay)
     [claim] = of_kind(docs, "PersistentVolumeClaim")
     for name, group in groups(raycluster(overlay)).items():
@@ -518,8 +518,9 @@ def test_model_cache_volume_backs_hf_home_on_every_worker(overlay: str) -> None:
         assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
         [container] = pod["containers"]
         [mount] = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
-        hf_home = {e["name"]: e.get("value") for e in container["env"]}["HF_HOME"]
-        assert Path(hf_home).is_relative_to(mount["mountPath"]), name
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        for variable in ("HF_HOME", "SPECDEC_CACHE"):  # hub weights; GGUF copies and EAGLE heads
+            assert Path(env[variable]).is_relative_to(mount["mountPath"]), (name, variable)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
