@@ -113,19 +113,16 @@ def _gguf_copy(name: str, directory: Path, gguf_file: str) -> tuple[Path, dict[s
     partial = copy_dir.with_name(f"{copy_dir.name}.partial-{os.getpid()}")
     try:
         partial.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        LOG.warning("cannot cache a float32 copy of %s (%s); loading the GGUF file each time", gguf_file, error)
-        return gguf
-    try:
-        model = _local_model(name, directory, gguf[1], torch.float32)
-        _save_copy(model, _local_tokenizer(*gguf), partial)
-        os.rename(partial, copy_dir)
+        try:
+            model = _local_model(name, directory, gguf[1], torch.float32)
+            _save_copy(model, _local_tokenizer(*gguf), partial)
+            os.rename(partial, copy_dir)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     except OSError as error:
         if not copy_dir.is_dir():  # else another process renamed its copy there first
             LOG.warning("cannot cache a float32 copy of %s (%s); loading the GGUF file each time", gguf_file, error)
             return gguf
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return copy_dir, {}
 
 
