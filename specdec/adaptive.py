@@ -114,8 +114,9 @@ class ForwardCostCurve:
 @dataclass
 class RoundCost:
     """What a round costs besides its forward: per draft level, and fixed (router, wire, queueing), the fixed cost
-    for rounds that draft (``drafting_overhead_s``) apart from plain rounds' (``overhead_s``); until a drafting
-    round is measured it is taken to be a plain round's."""
+    for rounds that draft (``drafting_overhead_s``) apart from plain rounds' (``overhead_s``); until one kind is
+    measured it is taken to be the other's (a fixed cost of 0 would let a forward extrapolated to 0 s price a round
+    at nothing)."""
 
     forward: ForwardCostCurve = field(default_factory=ForwardCostCurve)
     draft_level_s: MovingAverage = field(default_factory=MovingAverage)
@@ -128,8 +129,9 @@ class RoundCost:
 
     def fixed_s(self, draft_levels: int) -> float:
         """The fixed cost of a round that drafts ``draft_levels`` levels (0: a plain round)."""
-        drafting = self.drafting_overhead_s
-        return drafting.value if draft_levels > 0 and drafting.samples else self.overhead_s.value
+        drafting, plain = self.drafting_overhead_s, self.overhead_s
+        own, other = (drafting, plain) if draft_levels > 0 else (plain, drafting)
+        return (own if own.samples or not other.samples else other).value
 
     def observe_fixed(self, draft_levels: int, seconds: float) -> None:
         """A measured round's fixed cost: its wall time less its forward and the drafting it waited for."""

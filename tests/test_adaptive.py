@@ -199,3 +199,15 @@ def test_a_drafting_rounds_own_fixed_cost_is_priced_apart_from_plain_rounds() ->
     for _ in range(30):
         controller.observe_round(2, 10e-3, 1, 1e-3, 1e-3)
     assert controller.choose([Candidate(tracker, 8)])[0] >= 1
+
+
+def test_a_plain_round_is_priced_with_the_drafting_fixed_cost_until_one_is_measured() -> None:
+    # Only drafting rounds so far, forwards measured at 5 and 9 positions on a steep line: the curve extrapolated
+    # to 1 position is 0 s, and with an unmeasured plain fixed cost of 0 the plain round cost nothing (a
+    # ZeroDivisionError in choose, seen through the router under `auto`).
+    controller = SpeculationController(8, probe_every=1000)
+    for positions, forward_s in ((5, 10e-3), (9, 30e-3)):
+        controller.observe_round(positions, forward_s, positions - 1, 1e-3 * (positions - 1), 2e-3)
+    assert controller.cost.fixed_s(0) == pytest.approx(2e-3)
+    assert controller.cost.seconds(1, 0) > 0
+    controller.choose([Candidate(fixed_tracker(0.5), 8)])
