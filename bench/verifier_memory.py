@@ -47,7 +47,8 @@ import torch
 from grpc_common.memory import IdleTrim, glibc_malloc_trim
 from specdec.drafters.base import Proposal
 from specdec.drafters.ngram import lookup_continuation
-from specdec.models import load_model, load_tokenizer
+from specdec.model_files import load_tokenizer
+from specdec.models import load_model
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from specdec.verification import VerifyCall
@@ -174,7 +175,8 @@ def grpc_backend(args: argparse.Namespace) -> Backend:
     import grpc
     from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
 
-    from grpc_common.convert import proposal_to_wire, sampling_to_wire
+    from grpc_common.convert import sampling_to_wire
+    from grpc_common.convert_rows import proposal_to_wire
 
     command = [sys.executable, "-m", "verifier_service", "--model", args.model, "--dtype", "float32"]
     command += ["--torch-threads", "1", "--max-batch-tokens", str(args.max_batch_tokens), *args.verifier_arg]

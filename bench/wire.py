@@ -1,10 +1,10 @@
 """What one round costs in serialisation, copies and detokenisation, step by step (a CPU micro-bench, no sockets).
 
 A round of one stream, as the router and the workers run it: the drafter encodes its proposal
-(:func:`~grpc_common.convert.proposal_to_wire`), the router parses the drafter's ``Batch`` reply, decodes the tree
+(:func:`~grpc_common.convert_rows.proposal_to_wire`), the router parses the drafter's ``Batch`` reply, decodes the tree
 (:func:`~grpc_common.convert.tree_from_wire`), wraps the proposal into a ``VerifyRequest`` inside a ``VerifierCall``
 (protobuf copies a sub-message on construction), serialises the verifier's ``Batch``, which the verifier parses and
-decodes into dense ``q`` rows (:func:`~grpc_common.convert.proposal_from_wire`); the verdicts come back in one
+decodes into dense ``q`` rows (:func:`~grpc_common.convert_rows.proposal_from_wire`); the verdicts come back in one
 ``Batch`` reply, the router sizes messages for its wire-bytes counters (``ByteSize``) and detokenises the emitted
 tokens (:class:`router.text.TextStream`). Each step is timed on its own with the process's CPU clock
 (``time.process_time``: best of ``--repeats`` runs of ``--number`` calls, so other work on the machine matters
@@ -32,10 +32,11 @@ import torch
 from specdec_wire.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 from bench.load.report import elide_option, write_report
-from grpc_common.convert import proposal_from_wire, proposal_to_wire, tree_from_wire
+from grpc_common.convert import tree_from_wire
+from grpc_common.convert_rows import proposal_from_wire, proposal_to_wire
 from router.text import TextStream
 from specdec.drafters.base import Proposal
-from specdec.models import load_tokenizer
+from specdec.model_files import load_tokenizer
 from specdec.tree import TokenTree
 
 VOCAB = 49152  # SmolLM2's

@@ -27,7 +27,8 @@ from grpc_common.batch import (
     stream_batches,
     touched,
 )
-from grpc_common.convert import MAX_PROPOSAL_NODES, features_from_wire, proposal_to_wire, sampling_from_wire
+from grpc_common.convert import MAX_PROPOSAL_NODES, sampling_from_wire
+from grpc_common.convert_rows import features_from_wire, proposal_to_wire
 from specdec.drafters import DraftConfig
 from specdec.errors import InvalidArgumentError
 

@@ -41,7 +41,7 @@ from router.frontend import Frontend
 from router.pipeline import Chunk, Final, RequestStats
 from router.requests import UINT64, GenerateInput, Message, Plan
 from specdec.errors import CapacityError, InvalidArgumentError, SpecdecError
-from specdec.sampling import MAX_TOP_LOGPROBS, TopLogprobs
+from specdec.sampling_params import MAX_TOP_LOGPROBS, TopLogprobs
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 MAX_BODY_BYTES = 4 * 1024 * 1024

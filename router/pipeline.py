@@ -74,7 +74,7 @@ from router.predraft import PreDraft, select, selected
 from router.requests import DraftShape, Plan
 from router.text import TextStream
 from specdec.adaptive import Candidate, SpeculationController
-from specdec.sampling import SamplingParams, TopLogprobs
+from specdec.sampling_params import SamplingParams, TopLogprobs
 from specdec.stats import AcceptanceCounts
 from specdec.tree import TokenTree
 

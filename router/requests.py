@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from router.config import RouterConfig
 from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
-from specdec.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from specdec.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 Mode = Literal["off", "sequential", "pipelined", "auto"]
 MODES: tuple[str, ...] = ("off", "sequential", "pipelined", "auto")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.tree import TokenTree
+from specdec.tree import ROOT, TokenTree
 
 
 def packed_positions(prefix_len: int, num_pending: int, tree: TokenTree) -> list[int]:
@@ -50,5 +50,23 @@ def attention_mask(
     mask = torch.ones(size, prefix_len + size, dtype=torch.bool, device=device).tril_(prefix_len)
     if len(tree):
         start = prefix_len + num_pending
-        mask[num_pending:, start:] = tree.ancestor_mask().to(device)
+        mask[num_pending:, start:] = ancestor_mask(tree).to(device)
+    return mask
+
+
+def ancestor_mask(tree: TokenTree) -> torch.Tensor:
+    """``mask[i, j]`` is True iff node ``j`` is node ``i`` or one of its ancestors: siblings and cousins never see
+    each other. For the tree ``tokens = (5, 6, 7, 8)``, ``parents = (-1, -1, 0, 2)``::
+
+        [[1, 0, 0, 0],
+         [0, 1, 0, 0],
+         [1, 0, 1, 0],
+         [1, 0, 1, 1]]
+
+    Returns: bool tensor [N, N].
+    """
+    mask = torch.eye(len(tree), dtype=torch.bool)
+    for index, parent in enumerate(tree.parents):
+        if parent != ROOT:
+            mask[index] |= mask[parent]
     return mask

@@ -22,6 +22,7 @@ from specdec.check.command import register_check
 from specdec.distill.cli import register_distill
 from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError, SpecdecError
+from specdec.sampling_params import SamplingParams
 from specdec.stats import GenerationResult, SpecStats
 
 if TYPE_CHECKING:
@@ -106,8 +107,6 @@ def result_json(text: str, result: GenerationResult) -> dict:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from specdec.sampling import SamplingParams  # checks the sampling flags here, with or without --router
-
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p)
     if not args.prompt:
         raise InvalidArgumentError("prompt", "must not be empty")

@@ -6,54 +6,22 @@ used. Order of transforms: temperature, top-k, top-p, min-p, each followed by re
 Temperature 0 is greedy: the one-hot of the :func:`argmax` (lowest id on ties); so is any temperature below
 :data:`GREEDY_BELOW` (vLLM's ``_SAMPLING_EPS``): there ``logits / temperature`` can overflow float32 into NaN
 probabilities, and such a temperature is the greedy limit but for near-exact ties. :func:`top_logprobs` reads the
-most probable alternatives off a row of log-probabilities (what a request's ``top_logprobs`` returns).
+most probable alternatives off a row of log-probabilities (what a request's ``top_logprobs`` returns). The settings
+themselves (:class:`SamplingParams`) live in :mod:`specdec.sampling_params`, which needs no torch.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from specdec.errors import InvalidArgumentError
+from specdec.sampling_params import SamplingParams, TopLogprobs
 
-GREEDY_BELOW = 1e-5  # temperatures under this are greedy
 _ID_BITS = 20  # a token id below 2**20 fits beside a float32's bits in one int64 sort key (top_p_kept)
 TOP_P_CANDIDATES = 1024  # the first tokens of a row's order that top-p sorts before it sorts the whole row
 _ID_MASK = (1 << _ID_BITS) - 1
-MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's default max_logprobs)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings; ``top_k = 0``, ``top_p = 1``, ``min_p = 0`` disable a filter."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgumentError("temperature", f"must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgumentError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise InvalidArgumentError("min_p", f"must be in [0, 1], got {self.min_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    def with_top_k_cap(self, cap: int) -> SamplingParams:
-        """The same settings with top-k no larger than ``cap`` (a drafter's own truncation)."""
-        if cap <= 0:
-            return self
-        return replace(self, top_k=cap if self.top_k == 0 else min(self.top_k, cap))
 
 
 def argmax(values: torch.Tensor) -> torch.Tensor:
@@ -151,14 +119,6 @@ def sample_with_uniform(probs: torch.Tensor, uniform: float) -> int:
     while probs[index] <= 0:  # float rounding at the top end of the cdf can land on a zero tail
         index -= 1
     return index
-
-
-@dataclass(frozen=True)
-class TopLogprobs:
-    """The most probable tokens of one distribution row and their log-probabilities, most probable first."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
 
 
 def top_logprobs(logprobs: torch.Tensor, count: int) -> TopLogprobs:

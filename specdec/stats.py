@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specdec.sampling import TopLogprobs
+    from specdec.sampling_params import TopLogprobs
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Nodes are stored in topological order (a parent's index is smaller than its children's). The
 parent index -1 means "child of the root", the root being the last token of the committed
-sequence. Positions, attention masks and paths are derived by the pure functions below.
+sequence. Depths, children and paths are derived by the pure functions below (positions and attention
+masks by :mod:`specdec.attention_masks`).
 
 Worked example (used in the docstrings below)::
 
@@ -16,8 +17,6 @@ Worked example (used in the docstrings below)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 ROOT = -1
 
@@ -75,29 +74,3 @@ class TokenTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
-
-    def positions(self, prefix_len: int) -> torch.Tensor:
-        """Position ids: ``prefix_len + depth`` → ``[L, L, L+1, L+2]`` for the example.
-
-        Returns: long tensor [N].
-        """
-        return prefix_len + torch.tensor(self.depths(), dtype=torch.long)
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """``mask[i, j]`` is True iff node ``j`` is node ``i`` or one of its ancestors.
-
-        Siblings and cousins never see each other. Example::
-
-            [[1, 0, 0, 0],
-             [0, 1, 0, 0],
-             [1, 0, 1, 0],
-             [1, 0, 1, 1]]
-
-        Returns: bool tensor [N, N].
-        """
-        size = len(self.tokens)
-        mask = torch.eye(size, dtype=torch.bool)
-        for index, parent in enumerate(self.parents):
-            if parent != ROOT:
-                mask[index] |= mask[parent]
-        return mask

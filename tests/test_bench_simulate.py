@@ -34,7 +34,7 @@ from bench.load.simulated.verifier import (
     check_proposal,
     decide_verify,
 )
-from grpc_common.convert import proposal_from_wire, proposal_to_wire
+from grpc_common.convert_rows import proposal_from_wire, proposal_to_wire
 from specdec.client import AsyncClient
 from specdec.drafters.base import Proposal
 from specdec.errors import InvalidArgumentError

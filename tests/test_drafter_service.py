@@ -25,7 +25,8 @@ from drafter_service import DrafterConfig, RunningDrafter, start_drafter
 from drafter_service.scheduler import DraftScheduler
 from drafter_service.server import SERVICE_NAME, build_core_drafter
 from drafter_service.servicer import shape_from_wire
-from grpc_common.convert import proposal_from_wire, sampling_to_wire
+from grpc_common.convert import sampling_to_wire
+from grpc_common.convert_rows import proposal_from_wire
 from specdec.drafters import DraftConfig, Proposal
 from specdec.errors import CancelledByCallerError
 from specdec.models import LoadedModel

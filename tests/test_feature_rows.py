@@ -23,7 +23,8 @@ from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import RunningDrafter, start_drafter
-from grpc_common.convert import feature_dtype_from_wire, features_from_wire, features_to_wire, sampling_to_wire
+from grpc_common.convert import sampling_to_wire
+from grpc_common.convert_rows import feature_dtype_from_wire, features_from_wire, features_to_wire
 from router.config import RouterConfig
 from router.pipeline import Drafted, SequenceSpec, Verified
 from router.server import start_router

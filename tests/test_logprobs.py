@@ -29,7 +29,8 @@ from specdec.engine import Engine, GenerationRequest
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel
 from specdec.runner import KVRunner
-from specdec.sampling import MAX_TOP_LOGPROBS, SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling_params import MAX_TOP_LOGPROBS
 from specdec.tree import TokenTree
 from specdec.verification import BatchVerifier, VerifyCall
 from tests.test_router_distribution import served_router

@@ -21,7 +21,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec_wire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
-from grpc_common.convert import proposal_to_wire, sampling_to_wire
+from grpc_common.convert import sampling_to_wire
+from grpc_common.convert_rows import proposal_to_wire
 from grpc_common.memory import IdleTrim
 from specdec.drafters.base import Proposal
 from specdec.errors import CapacityError, InvalidArgumentError

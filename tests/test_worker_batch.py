@@ -16,7 +16,8 @@ from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifie
 
 from drafter_service.server import start_drafter
 from grpc_common.batch import StartedBatch, Submitted, stream_batches
-from grpc_common.convert import proposal_to_wire, tree_from_wire
+from grpc_common.convert import tree_from_wire
+from grpc_common.convert_rows import proposal_to_wire
 from router.batching import CallBatcher
 from router.errors import WorkerBusyError, WorkerError, WorkerUnavailableError
 from router.pipeline import Chunk, SequenceSpec

@@ -8,7 +8,7 @@ bounded before anything is decoded or allocated (INVALID_ARGUMENT naming the fie
 nodes in a proposal, ``max_batch_calls`` calls and ``max_batch_nodes`` proposal nodes in a Batch (a draft row's
 ids are bounded by the vocabulary, a prompt by the context, both in the decoding). ``Touch`` renews leases. A
 sequence opened with ``features`` gets the target's feature rows with every verdict, encoded here in the dtype it
-asked for (:func:`~grpc_common.convert.features_to_wire`), until a Verify says ``stop_features``.
+asked for (:func:`~grpc_common.convert_rows.features_to_wire`), until a Verify says ``stop_features``.
 """
 
 from __future__ import annotations
@@ -28,15 +28,8 @@ from grpc_common.batch import (
     stream_batches,
     touched,
 )
-from grpc_common.convert import (
-    MAX_PROPOSAL_NODES,
-    feature_dtype_from_wire,
-    features_to_wire,
-    proposal_from_wire,
-    proposal_nodes,
-    sampling_from_wire,
-    top_logprobs_to_wire,
-)
+from grpc_common.convert import MAX_PROPOSAL_NODES, proposal_nodes, sampling_from_wire, top_logprobs_to_wire
+from grpc_common.convert_rows import feature_dtype_from_wire, features_to_wire, proposal_from_wire
 from specdec.errors import InvalidArgumentError
 from specdec.verification import VerifyCall, VerifyOutcome
 from verifier_service.scheduler import SchedulerStatus, SchedulerStoppedError, VerifyScheduler

@@ -2,7 +2,7 @@
 
 ``Propose`` returns random distinct tokens in the request's shape (chain, or a tree grown level by level under
 the node budget exactly as :class:`specdec.drafters.model.ModelDrafter` does) with a sparse uniform ``q`` over
-``--draft-support`` ids per parent in the wire format of :mod:`grpc_common.convert` (packed ``<i4`` ids in
+``--draft-support`` ids per parent in the wire format of :mod:`grpc_common.convert_rows` (packed ``<i4`` ids in
 ascending order, ``<f4`` probabilities, one row per parent shared by siblings), or no distribution (one-hot
 ``q``) for greedy requests or ``--draft-support 0``. ``assume_previous_accepted`` and ``Commit`` keep the text
 exactly as :class:`specdec.drafters.base.SequenceDrafter` does. The rows are built here rather than with
@@ -100,7 +100,7 @@ def draft_rows(
     rng: np.random.Generator, tokens: Sequence[int], parents: Sequence[int], support: int, token_range: tuple[int, int]
 ) -> common_pb2.DraftDistributions:
     """Uniform ``q`` over the children of each parent plus random ids up to ``support``, one row per parent (shared
-    by its siblings) in ascending id order, packed as :func:`grpc_common.convert.proposal_to_wire` packs it."""
+    by its siblings) in ascending id order, packed as :func:`grpc_common.convert_rows.proposal_to_wire` packs it."""
     draft = common_pb2.DraftDistributions()
     row_of_parent: dict[int, int] = {}
     for parent in parents:
