@@ -71,7 +71,7 @@ def save_tokenizer(directory: Path) -> None:
     """The tool loads a tokenizer by path; the model hub is not reachable, so give it ours on disk."""
     if (directory / "tokenizer.json").exists():
         return
-    from specdec.models import load_tokenizer
+    from specdec.model_files import load_tokenizer
 
     load_tokenizer(MODEL).save_pretrained(str(directory))
 

@@ -33,7 +33,7 @@ from router.servicer import SERVICE_NAME, RouterServicer, add_to_server
 from router.workers import WorkerPool
 from specdec import eventloop
 from specdec.adaptive import SpeculationController
-from specdec.models import load_tokenizer
+from specdec.model_files import load_tokenizer
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")

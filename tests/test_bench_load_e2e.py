@@ -27,7 +27,7 @@ from bench.load.runner import LoadSpec, run_load
 from bench.load.summary import summarize
 from bench.load.workload import Prompt, RequestOptions, load_prompts
 from specdec.cli import main
-from specdec.models import load_tokenizer
+from specdec.model_files import load_tokenizer
 from tests.test_router_grpc import Stack
 from tests.tiny_models import SMOLLM2
 

@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from drafter_service.config import DrafterConfig
 from router.server import RunningRouter
 from specdec.client import Client
-from specdec.models import load_tokenizer
+from specdec.model_files import load_tokenizer
 from tests.test_router_distribution import served_router
 from tests.test_router_grpc import Stack, wait_until
 from tests.tiny_models import SMOLLM2, tiny_draft, tiny_llama

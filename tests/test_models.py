@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,10 +13,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from specdec.errors import IncompatibleDraftError, ModelNotFoundError
-from specdec.models import LoadedModel, ModelShape, check_same_vocabulary, load_model, load_shape, load_tokenizer
+from specdec.model_files import load_tokenizer
+from specdec.models import LoadedModel, ModelShape, check_same_vocabulary, load_model, load_shape
 from tests.tiny_models import SMOLLM2, smollm2, tiny_draft, tiny_llama
 
 
@@ -64,7 +67,9 @@ def test_a_gguf_model_loads_from_its_float32_copy_identically(
     assert from_copy.model.lm_head.weight.data_ptr() == from_copy.model.model.embed_tokens.weight.data_ptr()
     assert from_copy.eos_token_ids == from_gguf.eos_token_ids
     for tokenizer in (from_copy.tokenizer, load_tokenizer(SMOLLM2)):
+        assert type(tokenizer) is type(AutoTokenizer.from_pretrained(copy_dir)) is type(from_gguf.tokenizer)
         assert tokenizer.get_vocab() == from_gguf.tokenizer.get_vocab()
+        assert tokenizer.all_special_ids == from_gguf.tokenizer.all_special_ids
         assert tokenizer.apply_chat_template(
             chat, add_generation_prompt=True
         ) == from_gguf.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
@@ -72,6 +77,23 @@ def test_a_gguf_model_loads_from_its_float32_copy_identically(
     halved = load_model(SMOLLM2, dtype=torch.bfloat16)
     for name, tensor in halved.model.state_dict().items():
         assert torch.equal(tensor, from_gguf.model.state_dict()[name].to(torch.bfloat16)), name
+
+
+def test_a_generic_llama_tokenizer_loads_as_auto_tokenizer_would_without_torch(tmp_path: Path) -> None:
+    tiny_llama(0).model.save_pretrained(tmp_path)  # model_type llama
+    word_tokenizer(["<unk>", "hello", "world"]).save_pretrained(tmp_path)  # tokenizer_class TokenizersBackend
+    expected, loaded = AutoTokenizer.from_pretrained(tmp_path), load_tokenizer(str(tmp_path))
+    assert type(loaded) is type(expected) and loaded.get_vocab() == expected.get_vocab()
+    assert loaded("hello world hello")["input_ids"] == expected("hello world hello")["input_ids"]
+    # the router's process: its modules and its tokenizer, and no torch (8.6 s and 445 MB to serve with it)
+    code = (
+        "import sys, router.server; from specdec.model_files import load_tokenizer; "
+        "print(type(load_tokenizer(sys.argv[1])).__name__, 'torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.split() == [type(expected).__name__, "False"]
 
 
 def test_local_directory_loads(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from specdec.cli import main
-from specdec.models import load_tokenizer
+from specdec.model_files import load_tokenizer
 from tests.test_router_grpc import Stack
 from tests.tiny_models import SMOLLM2
 

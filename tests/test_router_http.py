@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from specdec.models import load_tokenizer
+from specdec.model_files import load_tokenizer
 from tests.test_router_grpc import Stack, wait_until
 from tests.tiny_models import SMOLLM2
 

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from router.text import IncrementalDetokenizer, StopMatcher, TextStream, decoder
 from specdec.errors import ModelNotFoundError
-from specdec.models import load_tokenizer
+from specdec.model_files import load_tokenizer
 from tests.tiny_models import SMOLLM2
 
 TEXTS = ["Héllo wörld 🎉🎉 日本語 ok  spaces\n\nnew 🤖 end", "def f(x):\n    return x ** 2  # ✓", "a" * 30]

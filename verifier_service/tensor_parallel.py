@@ -28,7 +28,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
 from specdec.errors import InvalidArgumentError, ModelNotFoundError, SpecdecError
-from specdec.models import MODEL_ALIASES, LoadedModel, eos_token_ids
+from specdec.model_files import MODEL_ALIASES
+from specdec.models import LoadedModel, eos_token_ids
 from specdec.runner import ForwardItem, KVRunner
 from verifier_service.config import VerifierConfig
 

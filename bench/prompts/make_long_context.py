@@ -624,7 +624,7 @@ def write(path: Path) -> None:
 
 def stats(path: Path) -> None:
     """Token lengths with the chat template applied, i.e. what the verifier actually prefills."""
-    from specdec.models import load_tokenizer
+    from specdec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     by_category: dict[str, list[int]] = {}
