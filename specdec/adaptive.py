@@ -61,8 +61,10 @@ class ForwardCostCurve:
     Each measured forward moves a moving average at its position count. A query between measured counts
     interpolates linearly; past either end it goes on from the nearest measured count along the least-squares slope
     of every measured count (never downhill): a slope fitted to all the points, not to the two nearest, so a noisy
-    pair cannot make one more position look free or dear. Before two counts are measured the curve is the line
-    ``prior_s · (1 + PRIOR_SLOPE · (n - 1))``, scaled through the count measured, if any.
+    pair cannot make one more position look free or dear. Below the smallest measured count it never falls under
+    that count's cost per position times the positions (a steep slope would otherwise price a short forward at 0).
+    Before two counts are measured the curve is the line ``prior_s · (1 + PRIOR_SLOPE · (n - 1))``, scaled through
+    the count measured, if any.
     """
 
     def __init__(self, prior_s: float = PRIOR_FORWARD_S, smoothing: float = 0.2) -> None:
@@ -97,7 +99,10 @@ class ForwardCostCurve:
         if index == 0 and known[0] == positions:
             return self._averages[positions].value
         nearest = known[0] if index == 0 else known[-1]
-        return max(self._averages[nearest].value + self._slope() * (positions - nearest), 0.0)
+        extended = self._averages[nearest].value + self._slope() * (positions - nearest)
+        if index == 0:  # below every measured count the line may cross 0; a forward's cost per position does not
+            return max(extended, self._averages[nearest].value * positions / nearest)  # fall as the forward shrinks
+        return extended
 
     def _slope(self) -> float:
         points = self.points()

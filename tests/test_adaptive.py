@@ -52,6 +52,18 @@ def test_cost_curve_interpolates_and_extends() -> None:
     assert curve.points() == [(1, 0.010), (5, 0.015)]
 
 
+def test_cost_curve_below_every_measured_count_keeps_the_cost_per_position() -> None:
+    flat = ForwardCostCurve()
+    flat.observe(8, 0.010)
+    flat.observe(16, 0.012)
+    assert flat.seconds(4) == pytest.approx(0.010 - 4 * 0.00025)  # the line, above 4 positions at 10 ms / 8
+    steep = ForwardCostCurve()
+    steep.observe(8, 0.010)
+    steep.observe(16, 0.030)  # 2.5 ms a position: the line through them crosses 0 at 4 positions
+    assert steep.seconds(6) == pytest.approx(6 * 0.010 / 8)  # not the line's 5 ms
+    assert steep.seconds(1) == pytest.approx(0.010 / 8)  # not 0 s: an unpriced plain round divides by zero
+
+
 def test_memory_bound_verifier_worked_example() -> None:
     # forward 10 ms + 1 ms per extra position, 0.5 ms per draft level, every position accepted at 0.8:
     # E(γ)/T(γ) in tokens/s is 100, 156.5, 187.7, 203.6, 210.1, 210.8, 208.0, 203.0, 196.8 for γ = 0..8.
