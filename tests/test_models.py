@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -79,21 +80,44 @@ def test_a_gguf_model_loads_from_its_float32_copy_identically(
         assert torch.equal(tensor, from_gguf.model.state_dict()[name].to(torch.bfloat16)), name
 
 
+def save_tiny_llama_with_tokenizer(directory: Path, chat_template: str | None) -> None:
+    tiny_llama(0).model.save_pretrained(directory)  # model_type llama
+    tokenizer = word_tokenizer(["<unk>", "hello", "world"])  # saved as tokenizer_class TokenizersBackend
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(directory)
+
+
 def test_a_generic_llama_tokenizer_loads_as_auto_tokenizer_would_without_torch(tmp_path: Path) -> None:
-    tiny_llama(0).model.save_pretrained(tmp_path)  # model_type llama
-    word_tokenizer(["<unk>", "hello", "world"]).save_pretrained(tmp_path)  # tokenizer_class TokenizersBackend
-    expected, loaded = AutoTokenizer.from_pretrained(tmp_path), load_tokenizer(str(tmp_path))
+    template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+    save_tiny_llama_with_tokenizer(tmp_path / "local", template)
+    expected, loaded = AutoTokenizer.from_pretrained(tmp_path / "local"), load_tokenizer(str(tmp_path / "local"))
     assert type(loaded) is type(expected) and loaded.get_vocab() == expected.get_vocab()
     assert loaded("hello world hello")["input_ids"] == expected("hello world hello")["input_ids"]
+    # hub ids, from their snapshots in a Hugging Face cache: one with a chat template (the fast path), one without
+    # (its template may only be missing from the snapshot, so AutoTokenizer loads it)
+    for repo, with_template in (("acme--tiny", template), ("acme--base", None)):
+        (tmp_path / "hub" / f"models--{repo}" / "refs").mkdir(parents=True)
+        (tmp_path / "hub" / f"models--{repo}" / "refs" / "main").write_text("0123abcd")
+        save_tiny_llama_with_tokenizer(tmp_path / "hub" / f"models--{repo}" / "snapshots" / "0123abcd", with_template)
     # the router's process: its modules and its tokenizer, and no torch (8.6 s and 445 MB to serve with it)
-    code = (
-        "import sys, router.server; from specdec.model_files import load_tokenizer; "
-        "print(type(load_tokenizer(sys.argv[1])).__name__, 'torch' in sys.modules)"
-    )
+    code = """
+import sys, router.server
+from specdec.model_files import load_tokenizer
+chat = [{"role": "user", "content": "hello world"}]
+fast = load_tokenizer("acme/tiny")
+print(type(fast).__name__, "torch" in sys.modules)
+base = load_tokenizer("acme/base")
+print(type(base).__name__, "torch" in sys.modules)
+from transformers import AutoTokenizer
+auto = AutoTokenizer.from_pretrained("acme/tiny")
+print(fast.apply_chat_template(chat) == auto.apply_chat_template(chat), fast.get_vocab() == auto.get_vocab())
+"""
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120, env=env
     )
-    assert result.stdout.split() == [type(expected).__name__, "False"]
+    name = type(expected).__name__
+    assert result.stdout.split("\n")[:3] == [f"{name} False", f"{name} True", "True True"]
 
 
 def test_local_directory_loads(tmp_path: Path) -> None:
