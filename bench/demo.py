@@ -2,11 +2,12 @@
 
 First the EAGLE head: the one cached for the target (``specdec distill --target smollm2-135m``, the full budget
 the benchmarks use) or, on a fresh machine, one trained now on a small budget (a few minutes; weaker). Then
-``specdec up`` places a verifier, an eagle, an ngram and an early-exit drafter and the router on a local Ray
-instance; three real prompts go through the SDK with speculation off and with each drafter, and one more over
-the OpenAI-compatible HTTP API. Greedy, so every configuration must produce the same tokens; the table shows
-what speculation bought. ``specdec down`` always runs at the end. Three minutes with a cached head, up to ten
-without, on two CPU cores.
+``specdec up`` places a verifier, an eagle and an ngram drafter and the router on a local Ray instance; three real
+prompts go through the SDK with speculation off and with each drafter, and one more over the OpenAI-compatible HTTP
+API. Greedy, so every configuration must produce the same tokens; the table shows what speculation bought.
+``specdec down`` always runs at the end. Three minutes with a cached head, up to ten without, on two CPU cores.
+(The early-exit drafter, which has no trained exit and costs 3x here, is left out to keep a first demo within ten
+minutes; ``python -m bench.colocated`` measures it.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ UP_ARGS = [
     "--target", TARGET,
     "--drafter-kind", "eagle",
     "--drafter-kind", "ngram",
-    "--drafter-kind", "early-exit",
     "--num-cpus", "2",
     "--verifier-arg=--torch-threads=1",
     "--drafter-arg=--torch-threads=1",
@@ -47,7 +47,6 @@ CONFIGS = {  # name -> SDK options
     "eagle, sequential": {"speculation": "sequential", "drafter": "eagle"},
     "eagle, pipelined": {"speculation": "pipelined", "drafter": "eagle"},
     "ngram, pipelined": {"speculation": "pipelined", "drafter": "ngram"},
-    "early-exit, pipelined": {"speculation": "pipelined", "drafter": "early-exit"},
 }
 
 
@@ -136,10 +135,8 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
         )
     print(
         f"\nGreedy, float32, max {MAX_TOKENS} new tokens, one request at a time through the router; tokens/s is "
-        "over the client's end-to-end time (prefill included).\nThe early-exit drafter runs the target's first "
-        "quarter of layers with its final norm and LM head (no trained exit head): on a 135M model it rarely "
-        "guesses right,\nso it costs more than it saves here; what it shows is that every drafter gives the same "
-        "tokens as no speculation.\n`auto`, the server's default, picks each round's draft length (0 included) from "
+        "over the client's end-to-end time (prefill included); every drafter must give the same tokens as no "
+        "speculation.\n`auto`, the server's default, picks each round's draft length (0 included) from "
         "the request's measured acceptance and the verifier's measured costs; sequential and pipelined draft 4.\n"
         "The eagle drafter is a one-layer head trained on the target's own outputs "
         f"and features (the target's features travel to it with every verdict); the full head: `{FULL_HEAD_COMMAND}`."
@@ -179,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_prompts(PROMPTS, set(CATEGORIES))
     prompts = [next(row for row in rows if row["category"] == category) for category in CATEGORIES]
     ensure_head()
-    print(
-        f"specdec up: verifier + eagle, ngram and early-exit drafters + router for {TARGET} on local Ray …", flush=True
-    )
+    print(f"specdec up: verifier + eagle and ngram drafters + router for {TARGET} on local Ray …", flush=True)
     started = time.perf_counter()
     failed = True
     try:
