@@ -42,8 +42,8 @@ from specdec.acceptance import SCHEMES, SampledRule, Verdict, verify_batched, ve
 from specdec.drafters.base import Proposal
 from specdec.errors import CapacityError, InvalidArgumentError, SpecdecError
 from specdec.runner import ForwardItem, resolve_feature_layers
-from specdec.sampling import SamplingParams, TopLogprobs, logits_to_probs, make_generator, top_logprobs
-from specdec.sampling_params import MAX_TOP_LOGPROBS
+from specdec.sampling import logits_to_probs, make_generator, top_logprobs
+from specdec.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, TopLogprobs
 from specdec.tree import ROOT, TokenTree
 
 FinishReason = Literal["stop", "length"]
