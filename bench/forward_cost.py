@@ -1,0 +1,192 @@
+"""What one target forward costs by the positions each sequence brings to it (one pending token and a chain of
+draft tokens), by batch size, dtype and torch threads: whether verifying a draft of γ tokens can pay here.
+
+A round that verifies γ draft tokens costs a forward of 1 + γ positions per sequence, ``r(γ)`` times a one-token
+forward, plus the drafting; it pays only when it commits more than ``r(γ)`` tokens (more still with the draft's
+cost). On a GPU ``r`` stays near 1 for small γ (the forward is bound by kernel launches and weight reads); on a CPU
+it grows with γ, and where a BLAS library changes its matrix-multiply kernel with the row count, it jumps.
+
+For each dtype (a fresh load of the target) and thread count, ``--batch-sizes`` sequences are opened on a random
+prefix of ``--context`` tokens; each timed forward then carries, for every sequence, one pending token and a chain
+of ``positions - 1`` draft tokens (nothing is committed, so every forward sees the same prefix). Position counts
+are interleaved within each repeat; a cell is the median over ``--repeats`` of the mean of ``--number`` forwards,
+beside its ratio to one position at the same batch size, dtype and threads: the tokens per round a draft of that
+length must commit to break even before its own cost. Writes ``NAME.json`` and ``NAME.md``.
+
+    python -m bench.forward_cost --dtypes float32,bfloat16 --threads 1,2 --result-dir bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.load.report import run_metadata, write_report
+from specdec.models import load_model, quiet_model_loading
+from specdec.runner import ForwardItem, KVRunner
+from specdec.tree import TokenTree
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def _chain(tokens: Sequence[int]) -> TokenTree:
+    return TokenTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+
+def _synchronise(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forwards(
+    runner: KVRunner,
+    device: torch.device,
+    *,
+    batch_size: int,
+    positions: Sequence[int],
+    context: int,
+    number: int,
+    repeats: int,
+    seed: int,
+) -> dict[int, list[float]]:
+    """Milliseconds per forward (one mean of ``number`` forwards per repeat) by positions per sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = runner.vocab_size
+    sequences = [runner.open() for _ in range(batch_size)]
+    try:
+        prefix = torch.randint(vocab, (batch_size, context), generator=generator).tolist()
+        runner.forward([ForwardItem(seq, tokens) for seq, tokens in zip(sequences, prefix, strict=True)])
+        for seq in sequences:
+            runner.commit(seq, context)
+        drafts = torch.randint(vocab, (batch_size, 1 + max(positions)), generator=generator).tolist()
+        items = {
+            count: [ForwardItem(seq, row[:1], _chain(row[1:count])) for seq, row in zip(sequences, drafts, strict=True)]
+            for count in positions
+        }
+        for batch in items.values():  # warm-up: buffers, rotary tables, the BLAS library's kernel choice
+            runner.forward(batch)
+        times: dict[int, list[float]] = {count: [] for count in positions}
+        for _ in range(repeats):
+            for count, batch in items.items():
+                _synchronise(device)
+                start = time.perf_counter()
+                for _ in range(number):
+                    runner.forward(batch)
+                _synchronise(device)
+                times[count].append(1e3 * (time.perf_counter() - start) / number)
+        return times
+    finally:
+        for seq in sequences:
+            runner.close(seq)
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per (dtype, threads, batch size, positions)."""
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        target = load_model(args.target, dtype=getattr(torch, dtype_name), device=args.device)
+        runner = KVRunner(target.model)
+        for threads in _ints(args.threads):
+            torch.set_num_threads(threads)
+            for batch_size in _ints(args.batch_sizes):
+                times = time_forwards(
+                    runner,
+                    target.model.device,
+                    batch_size=batch_size,
+                    positions=_ints(args.positions),
+                    context=args.context,
+                    number=args.number,
+                    repeats=args.repeats,
+                    seed=args.seed,
+                )
+                one = statistics.median(times[min(times)])
+                for count, samples in times.items():
+                    median = statistics.median(samples)
+                    rows.append(
+                        {
+                            "dtype": dtype_name,
+                            "threads": threads,
+                            "batch_size": batch_size,
+                            "positions": count,
+                            "ms_median": median,
+                            "ms_samples": samples,
+                            "ratio_to_fewest": median / one,
+                        }
+                    )
+                print(f"{dtype_name} threads {threads} batch {batch_size} done", file=sys.stderr, flush=True)
+        del runner, target
+    return rows
+
+
+def markdown(document: dict[str, Any]) -> str:
+    environment, config = document["environment"], document["config"]
+    versions = environment["versions"]
+    lines = [
+        f"# One target forward by positions per sequence: `{config['target']}`",
+        "",
+        f"{document['date']} · {environment['cpu']} ({environment['cpus']} CPUs, load average "
+        f"{environment['load_average'][0]:.2f} before) · {', '.join(environment['gpus']) or 'no GPU'} · torch "
+        f"{versions['torch']} · specdec {versions['specdec_commit']}",
+        "",
+        f"Command: `{' '.join(document['command'])}`",
+        "",
+        f"Device {config['device']}; every sequence on a {config['context']}-token prefix; a forward carries one "
+        "pending token and a chain of positions − 1 draft tokens per sequence; median over "
+        f"{config['repeats']} interleaved repeats of the mean of {config['number']} forwards.",
+        "",
+        "| dtype | threads | batch | positions | ms / forward (median) | × fewest positions | repeats (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in document["rows"]:
+        samples = " ".join(f"{value:.1f}" for value in row["ms_samples"])
+        lines.append(
+            f"| {row['dtype']} | {row['threads']} | {row['batch_size']} | {row['positions']} | "
+            f"{row['ms_median']:.1f} | {row['ratio_to_fewest']:.2f} | {samples} |"
+        )
+    lines += [
+        "",
+        "× fewest positions = r(γ) for γ = positions − 1: the tokens per round a draft of γ tokens must commit to "
+        "break even before its own drafting cost.",
+    ]
+    if document["note"]:
+        lines += ["", document["note"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.forward_cost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtypes", default="float32", help="comma-separated torch dtypes, e.g. float32,bfloat16")
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated sequences per forward")
+    parser.add_argument("--positions", default="1,2,3,4,5,6,9", help="comma-separated positions per sequence")
+    parser.add_argument("--context", type=int, default=300, help="committed tokens of every sequence")
+    parser.add_argument("--number", type=int, default=5, help="forwards per timed run")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--note", default="", help="a paragraph for the report")
+    parser.add_argument("--result-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", default="forward-cost")
+    args = parser.parse_args(argv)
+    quiet_model_loading()
+    if not _ints(args.positions) or min(_ints(args.positions)) < 1:
+        parser.error("--positions: give counts of at least 1")
+    config = {key: value for key, value in vars(args).items() if key not in ("note", "result_dir", "name")}
+    command = ["python", "-m", "bench.forward_cost", *(argv if argv is not None else sys.argv[1:])]
+    document = {**run_metadata(args.name, command, config), "note": args.note, "rows": measure(args)}
+    write_report(args.result_dir, args.name, document, markdown(document))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
