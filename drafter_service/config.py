@@ -15,9 +15,9 @@ from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_ar
 from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.drafters import DraftConfig
 from specdec.errors import InvalidArgumentError
+from specdec.precision import MODEL_DTYPES, check_dtype
 
 SERVED_KINDS: tuple[str, ...] = tuple(kind for kind in DRAFTER_KINDS if kind != "none")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ENV_PREFIX = "SPECDEC_DRAFTER_"
 
 
@@ -76,8 +76,7 @@ class DrafterConfig:
             raise InvalidArgumentError("draft_model", "the model drafter needs --draft-model")
         if self.early_exit_layers is not None and self.early_exit_layers < 1:
             raise InvalidArgumentError("early_exit_layers", f"must be >= 1, got {self.early_exit_layers}")
-        if self.dtype not in DTYPES:
-            raise InvalidArgumentError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError("port", f"must be in [0, 65536), got {self.port}")
         check_metrics_port(self.metrics_port)
@@ -150,7 +149,7 @@ class DrafterConfig:
         option("max_open_sequences", int, "open sequences before OpenSequence answers RESOURCE_EXHAUSTED")
         option("max_workers", int, "gRPC handler threads")
         option("device", str, "torch device of the model")
-        option("dtype", str, "model precision", choices=DTYPES)
+        option("dtype", str, "model precision", choices=MODEL_DTYPES)
         option("torch_threads", int, "torch intra-op threads (0: torch's default)")
         option("grace_s", float, "seconds in-flight calls get to finish on SIGTERM")
         option("sequence_idle_timeout_s", float, "seconds without a call before an open sequence is closed (0: never)")

@@ -22,6 +22,7 @@ from specdec.check.command import register_check
 from specdec.distill.cli import register_distill
 from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError, SpecdecError
+from specdec.precision import MODEL_DTYPES, check_dtype
 from specdec.sampling_params import SamplingParams
 from specdec.stats import GenerationResult, SpecStats
 
@@ -58,6 +59,8 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     parser.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dtype", help=f"precision of the models: {', '.join(MODEL_DTYPES)} (default float32)")
+    parser.add_argument("--device", help="torch device of the models, e.g. cuda (default cpu)")
     remote = parser.add_argument_group("through a router (--router)")
     remote.add_argument("--router", metavar="HOST:PORT", help="generate on a router instead of in this process")
     remote.add_argument(
@@ -112,10 +115,16 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("prompt", "must not be empty")
     if args.max_tokens <= 0:
         raise InvalidArgumentError("max_tokens", f"must be >= 1, got {args.max_tokens}")
+    dtype = check_dtype(args.dtype or "float32")
     if args.router:
+        if args.dtype or args.device:
+            field = "dtype" if args.dtype else "device"
+            raise InvalidArgumentError(field, "is the serving workers' setting, not a request's: drop it with --router")
         return _run_on_router(args)
     if args.stop or args.speculation:
         raise InvalidArgumentError("stop" if args.stop else "speculation", "is only supported with --router")
+    import torch
+
     from specdec.drafters import DraftConfig, build_drafter  # the model stack: only to generate in this process
     from specdec.engine import Engine, GenerationRequest
     from specdec.models import load_model, quiet_model_loading
@@ -129,7 +138,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         draft_top_k=args.draft_top_k,
         tree_sampling=args.tree_sampling,
     )
-    target = load_model(args.target)
+    target = load_model(args.target, dtype=getattr(torch, dtype), device=args.device or "cpu")
     drafter = build_drafter(
         args.drafter or "ngram", target, config, draft_model=args.draft_model, early_exit_layers=args.early_exit_layers
     )

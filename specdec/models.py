@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.utils import logging as transformers_logging
 
 from specdec.cache import gguf_copy_dir
-from specdec.errors import IncompatibleDraftError, ModelNotFoundError
+from specdec.errors import IncompatibleDraftError, InvalidArgumentError, ModelNotFoundError
 from specdec.model_files import MODEL_ALIASES, local_location, tokenizer_at
 
 _TRUE_VALUES = frozenset({"1", "on", "yes", "true"})
@@ -67,8 +67,10 @@ def quiet_model_loading() -> None:
 def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
     """Load ``name`` (alias, ``.gguf`` path, local directory or hub id) in ``dtype`` on ``device``.
 
-    Raises ModelNotFoundError with the list of what was tried when nothing loads.
+    Raises ModelNotFoundError with the list of what was tried when nothing loads, and InvalidArgumentError naming
+    ``device`` for a device this machine does not have (before any weights are read).
     """
+    device = usable_device(device)
     location = local_location(name)
     if location is None:
         return _from_hub(
@@ -85,6 +87,22 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | t
         directory, kwargs = _gguf_copy(name, directory, kwargs["gguf_file"])
     model = _local_model(name, directory, kwargs, dtype)
     return _finish(model, _local_tokenizer(directory, kwargs), name, device)
+
+
+def usable_device(device: str | torch.device) -> torch.device:
+    """``device`` parsed; InvalidArgumentError naming ``device`` when it is no device name or a CUDA device this
+    machine lacks (torch would fail later, mid-load, with a traceback)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise InvalidArgumentError("device", f"{device!r} is not a torch device ({error})") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidArgumentError("device", f"{device!r}: this machine has no CUDA device")
+        if parsed.index is not None and parsed.index >= count:
+            raise InvalidArgumentError("device", f"{device!r}: this machine has {count} CUDA device(s)")
+    return parsed
 
 
 def _local_model(name: str, directory: Path, kwargs: dict[str, str], dtype: torch.dtype) -> PreTrainedModel:

@@ -38,7 +38,8 @@ def cached_target(monkeypatch: pytest.MonkeyPatch) -> None:
     """``specdec generate`` gets the cached SmolLM2 for its default target; other names load as usual."""
 
     def load(name: str, **kwargs):
-        return smollm2() if name == SMOLLM2 and not kwargs else load_model(name, **kwargs)
+        default = kwargs.get("dtype", torch.float32) == torch.float32 and str(kwargs.get("device", "cpu")) == "cpu"
+        return smollm2() if name == SMOLLM2 and default else load_model(name, **kwargs)
 
     monkeypatch.setattr(specdec.models, "load_model", load)
 
@@ -83,6 +84,9 @@ BAD_ARGUMENTS = {
     "top-p 0": (["Hello", "--top-p", "0"], ("top_p", "top-p")),
     "top-p 1.5": (["Hello", "--top-p", "1.5"], ("top_p", "top-p")),
     "empty prompt": (["", "--chat"], ("prompt",)),
+    "dtype float64": (["Hello", "--dtype", "float64"], ("dtype",)),
+    "dtype with --router": (["Hello", "--router", "127.0.0.1:1", "--dtype", "bfloat16"], ("dtype",)),
+    "device with --router": (["Hello", "--router", "127.0.0.1:1", "--device", "cpu"], ("device",)),
 }
 
 
@@ -104,6 +108,30 @@ def test_unknown_model_fails_fast(capsys, monkeypatch: pytest.MonkeyPatch) -> No
     line = assert_clean_error(status, out, err, "model")
     assert "no-such-model-xyz" in line
     assert elapsed < 5, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "no-such-device"])
+def test_a_device_this_machine_lacks_is_one_line_before_any_weights_load(capsys, device: str) -> None:
+    started = time.monotonic()
+    status, out, err = run_main(capsys, "Hello", "--device", device, "--drafter", "none", "--max-tokens", "2")
+    assert device in assert_clean_error(status, out, err, "device")
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.slow
+def test_generate_in_bfloat16_loads_the_models_in_it(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = []
+
+    def load(name: str, **kwargs):
+        model = load_model(name, **kwargs)
+        loaded.append(model.model.dtype)
+        return model
+
+    monkeypatch.setattr(specdec.models, "load_model", load)
+    status, out, err = run_main(capsys, "Hello", "--chat", "--dtype", "bfloat16", "--max-tokens", "4", "--json")
+    assert status == 0, err
+    assert loaded == [torch.bfloat16]
+    assert 1 <= len(json.loads(out)["token_ids"]) <= 4
 
 
 def test_subprocess_bad_input_has_no_traceback() -> None:

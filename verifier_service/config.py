@@ -14,8 +14,8 @@ from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
 from specdec.errors import InvalidArgumentError
+from specdec.precision import MODEL_DTYPES, check_dtype
 
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ENV_PREFIX = "SPECDEC_VERIFIER_"
 
 
@@ -84,8 +84,7 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.arrival_wait <= 1:
             raise InvalidArgumentError("arrival_wait", f"must be in [0, 1], got {self.arrival_wait}")
-        if self.dtype not in DTYPES:
-            raise InvalidArgumentError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError("port", f"must be in [0, 65536), got {self.port}")
         check_metrics_port(self.metrics_port)
@@ -144,7 +143,7 @@ class VerifierConfig:
         option("port", int, "port to listen on (0: any free port)")
         option("metrics_port", parse_metrics_port, "port of the Prometheus /metrics endpoint (0: any free port)")
         option("device", str, "torch device of the model")
-        option("dtype", str, f"model precision: {', '.join(DTYPES)}")
+        option("dtype", str, f"model precision: {', '.join(MODEL_DTYPES)}")
         option("max_batch_size", int, "most Verify calls in one target forward")
         option("max_batch_tokens", int, "most positions (prompt prefills + draft nodes) in one forward")
         option("batch_wait_ms", float, "how long to wait for more Verify calls after the first (0: never)")

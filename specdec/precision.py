@@ -1,0 +1,15 @@
+"""The precisions a model loads in, by name: one list for every command and worker that loads a model (torch-free, so
+the services' configuration can check a name without importing torch)."""
+
+from __future__ import annotations
+
+from specdec.errors import InvalidArgumentError
+
+MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(dtype: str) -> str:
+    """``dtype`` when it names one of :data:`MODEL_DTYPES`; InvalidArgumentError naming ``dtype`` otherwise."""
+    if dtype not in MODEL_DTYPES:
+        raise InvalidArgumentError("dtype", f"must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
+    return dtype
