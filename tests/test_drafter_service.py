@@ -28,7 +28,7 @@ from drafter_service.servicer import shape_from_wire
 from grpc_common.convert import sampling_to_wire
 from grpc_common.convert_rows import proposal_from_wire
 from specdec.drafters import DraftConfig, Proposal
-from specdec.errors import CancelledByCallerError
+from specdec.errors import CancelledByCallerError, InvalidArgumentError
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams, make_generator
 from specdec.tree import TokenTree
@@ -577,3 +577,22 @@ def test_a_drafter_that_runs_no_target_weights_never_loads_them(
         drafter.add_features(handle, 0, torch.randn(len(PROMPT) - 1, 32))
     [proposal] = drafter.propose([handle], [3])
     assert len(proposal.tree) == 3
+
+
+@pytest.mark.parametrize("kind", ["early-exit", "eagle"])
+def test_a_device_the_machine_lacks_is_refused_naming_it(kind: str, target: LoadedModel, tmp_path: Path) -> None:
+    """A drafter placed on a CUDA device this machine does not have fails with an error naming ``device`` (the
+    service prints it as one line), whether it loads the target's weights or only an EAGLE head."""
+    from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+
+    target.model.save_pretrained(tmp_path / "target")
+    head = EagleHead.from_target(target.model, torch.arange(VOCAB))
+    save_head(head, tmp_path / "head", HeadInfo(verifier=str(tmp_path / "target"), num_draft_tokens=3))
+    config = DrafterConfig(
+        kind=kind,
+        target=str(tmp_path / "target"),
+        draft_model=str(tmp_path / "head") if kind == "eagle" else None,
+        device="cuda:99",
+    )
+    with pytest.raises(InvalidArgumentError, match="device"):
+        build_core_drafter(config)

@@ -17,7 +17,7 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import InvalidArgumentError, ModelNotFoundError
-from specdec.models import LoadedModel, ModelShape, check_same_vocabulary, load_model
+from specdec.models import LoadedModel, ModelShape, check_same_vocabulary, load_model, usable_device
 from specdec.runner import KVRunner
 
 __all__ = [
@@ -107,5 +107,10 @@ def build_shape_drafter(
             f"make one with `specdec distill --target {target.name}` or name one with --draft-model DIR"
         )
     return EagleDrafter.load(
-        directory, config, hidden_size=target.hidden_size, vocab_size=target.vocab_size, dtype=dtype, device=device
+        directory,
+        config,
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        dtype=dtype,
+        device=usable_device(device),
     )
