@@ -4,16 +4,17 @@ A chain of length γ whose positions are accepted with conditional rates α_1..�
 1..i-1 were) commits ``E(γ) = 1 + Σ_{k=1..γ} Π_{i≤k} α_i`` tokens per round in expectation: the round's last token
 is always the target's. Verifying a batch whose requests draft γ_r takes about
 
-    T = overhead_s + draft_level_s · max_r γ_r + forward_s(Σ_r (1 + γ_r))
+    T = overhead_s + draft_level_s(D) · max_r γ_r + forward_s(Σ_r (1 + γ_r))
 
 seconds: a fixed cost per round (router, wire, queueing), one draft step per level (drafting is batched across
-sequences level by level), and one target forward over every position (the curve the verifier's forwards trace).
+sequences level by level) whose cost grows with the D sequences drafting in it (on a GPU barely, on a CPU nearly in
+proportion), and one target forward over every position (the curve the verifier's forwards trace).
 The fixed cost is learnt apart for rounds that draft: disaggregated, they also wait for a call to the drafter and
 carry a larger verify message, and a single average over both kinds, mostly plain rounds where drafting rarely
 pays, would price a drafting round as cheap as a plain one and keep drafting where it loses.
 :class:`SpeculationController` picks the γ_r that maximise the batch's goodput ``Σ_r E_r(γ_r) / T`` (SmartSpec's
 objective), from each request's measured, decayed acceptance by position (:class:`AcceptanceTracker`) and the
-measured costs (:class:`ForwardCostCurve`, :class:`RoundCost`). When verification is the bottleneck and a drafted
+measured costs (:class:`CostCurve`, :class:`RoundCost`). When verification is the bottleneck and a drafted
 token costs more time than it commits, every γ_r is 0: plain target steps. Whether a round that drafts should also
 pre-draft the next proposal while it is verified is a second choice (:meth:`SpeculationController.pipelining_pays`):
 a pre-draft defers the bonus token of a whole acceptance, so it pays only where the drafting it hides costs more.
@@ -55,10 +56,11 @@ class MovingAverage:
         self.samples += 1
 
 
-class ForwardCostCurve:
-    """Seconds of one target forward against the positions in it, learnt from measured forwards.
+class CostCurve:
+    """Seconds of one step against a count, learnt from measurements: a target forward against the positions in it,
+    a draft level against the sequences drafting in it.
 
-    Each measured forward moves a moving average at its position count. A query between measured counts
+    Each measurement moves a moving average at its count. A query between measured counts
     interpolates linearly; past either end it goes on from the nearest measured count along the least-squares slope
     of every measured count (never downhill): a slope fitted to all the points, not to the two nearest, so a noisy
     pair cannot make one more position look free or dear. Below the smallest measured count it never falls under
@@ -123,14 +125,16 @@ class RoundCost:
     measured it is taken to be the other's (a fixed cost of 0 would let a forward extrapolated to 0 s price a round
     at nothing)."""
 
-    forward: ForwardCostCurve = field(default_factory=ForwardCostCurve)
-    draft_level_s: MovingAverage = field(default_factory=MovingAverage)
+    forward: CostCurve = field(default_factory=CostCurve)
+    draft_level: CostCurve = field(default_factory=lambda: CostCurve(prior_s=0.0))  # by sequences; free until measured
     overhead_s: MovingAverage = field(default_factory=MovingAverage)
     drafting_overhead_s: MovingAverage = field(default_factory=MovingAverage)
 
-    def seconds(self, positions: int, draft_levels: int) -> float:
-        """A round with ``positions`` in its forward whose longest draft has ``draft_levels`` levels."""
-        return self.fixed_s(draft_levels) + self.draft_level_s.value * draft_levels + self.forward.seconds(positions)
+    def seconds(self, positions: int, draft_levels: int, drafting: int = 1) -> float:
+        """A round with ``positions`` in its forward whose longest draft has ``draft_levels`` levels, drafted for
+        ``drafting`` sequences together."""
+        level_s = self.draft_level.seconds(drafting) if draft_levels else 0.0
+        return self.fixed_s(draft_levels) + level_s * draft_levels + self.forward.seconds(positions)
 
     def fixed_s(self, draft_levels: int) -> float:
         """The fixed cost of a round that drafts ``draft_levels`` levels (0: a plain round)."""
@@ -251,13 +255,13 @@ class SpeculationController:
         self.population.observe(proposed, accepted)
 
     def observe_round(
-        self, positions: int, forward_s: float, draft_levels: int, draft_s: float, other_s: float
+        self, positions: int, forward_s: float, draft_levels: int, draft_s: float, other_s: float, drafting: int = 1
     ) -> None:
         """One measured round: a forward over ``positions`` that took ``forward_s``; ``draft_levels`` levels drafted
-        in ``draft_s``; ``other_s`` of the round's wall time was neither."""
+        in ``draft_s`` for ``drafting`` sequences together; ``other_s`` of the round's wall time was neither."""
         self.cost.forward.observe(positions, forward_s)
         if draft_levels > 0:
-            self.cost.draft_level_s.add(draft_s / draft_levels)
+            self.cost.draft_level.observe(max(drafting, 1), draft_s / draft_levels)
         self.cost.observe_fixed(draft_levels, other_s)
 
     def pipelining_pays(
@@ -328,11 +332,13 @@ class SpeculationController:
         levels = 0
         best_rate = tokens / self.cost.seconds(positions, 0) * (1 + self.min_gain)
         best_prefix = 0
-        for taken, (negative_gain, _, _, added, level) in enumerate(increments, start=1):
+        drafting: set[int] = set()  # the requests the prefix drafts for: a level costs more the more it drafts
+        for taken, (negative_gain, _, index, added, level) in enumerate(increments, start=1):
             positions += added
             tokens += -negative_gain * added
             levels = max(levels, level)
-            rate = tokens / self.cost.seconds(positions, levels)
+            drafting.add(index)
+            rate = tokens / self.cost.seconds(positions, levels, len(drafting))
             if rate > best_rate:
                 best_rate, best_prefix = rate, taken
         lengths = [0] * len(candidates)

@@ -194,7 +194,10 @@ class Engine:
             self.controller.observe_verdict(sequence.tracker, depth, outcome.verdict.num_accepted)
         forward = outcomes[0]
         other_s = round_s - draft_s - forward.verify_s
-        self.controller.observe_round(forward.forward_positions, forward.verify_s, max(depths), draft_s, other_s)
+        drafting = sum(depth > 0 for depth in depths)
+        self.controller.observe_round(
+            forward.forward_positions, forward.verify_s, max(depths), draft_s, other_s, drafting
+        )
 
     def _record(
         self, sequence: _Sequence, proposal: Proposal, outcome: VerifyOutcome, draft_s: float, drafter_commit_s: float

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specdec.adaptive import AcceptanceTracker, Candidate, ForwardCostCurve, SpeculationController
+from specdec.adaptive import AcceptanceTracker, Candidate, CostCurve, SpeculationController
 
 
 def controller_with(forward_ms, *, draft_level_ms: float = 0.0, overhead_ms: float = 0.0, max_length: int = 8):
@@ -15,7 +15,7 @@ def controller_with(forward_ms, *, draft_level_ms: float = 0.0, overhead_ms: flo
     controller = SpeculationController(max_length)
     for positions in range(1, 65):
         controller.cost.forward.observe(positions, forward_ms(positions) / 1e3)
-    controller.cost.draft_level_s.add(draft_level_ms / 1e3)
+    controller.cost.draft_level.observe(1, draft_level_ms / 1e3)
     controller.cost.overhead_s.add(overhead_ms / 1e3)
     return controller
 
@@ -43,7 +43,7 @@ def test_tracker_forgets_when_nothing_is_proposed() -> None:
 
 
 def test_cost_curve_interpolates_and_extends() -> None:
-    curve = ForwardCostCurve()
+    curve = CostCurve()
     curve.observe(1, 0.010)
     assert curve.seconds(9) == pytest.approx(0.010 * (1 + 0.125 * 8))  # one point: the prior line through it
     curve.observe(5, 0.015)
@@ -53,11 +53,11 @@ def test_cost_curve_interpolates_and_extends() -> None:
 
 
 def test_cost_curve_below_every_measured_count_keeps_the_cost_per_position() -> None:
-    flat = ForwardCostCurve()
+    flat = CostCurve()
     flat.observe(8, 0.010)
     flat.observe(16, 0.012)
     assert flat.seconds(4) == pytest.approx(0.010 - 4 * 0.00025)  # the line, above 4 positions at 10 ms / 8
-    steep = ForwardCostCurve()
+    steep = CostCurve()
     steep.observe(8, 0.010)
     steep.observe(16, 0.030)  # 2.5 ms a position: the line through them crosses 0 at 4 positions
     assert steep.seconds(6) == pytest.approx(6 * 0.010 / 8)  # not the line's 5 ms
@@ -223,3 +223,21 @@ def test_a_plain_round_is_priced_with_the_drafting_fixed_cost_until_one_is_measu
     assert controller.cost.fixed_s(0) == pytest.approx(2e-3)
     assert controller.cost.seconds(1, 0) > 0
     controller.choose([Candidate(fixed_tracker(0.5), 8)])
+
+
+def test_a_draft_level_over_more_sequences_costs_what_was_measured_for_that_many() -> None:
+    """Forward 10 ms + 0.5 ms per extra position, every position accepted at 0.6; a draft level takes 2 ms for one
+    sequence but 8 ms for four (a CPU drafts them one after another). Alone, a request drafts: 1.6 tokens in 12.5 ms
+    beat 1 in 10. Four together do not: γ = 1 for all is 6.4 tokens in 10 + 3.5 + 8 = 21.5 ms (0.298 / ms) against
+    4 in 11.5 ms (0.348), and one of them alone 4.6 in 14 ms (0.329). Priced at one sequence's 2 ms a level, all
+    four drafting would look like 6.4 in 15.5 ms (0.413)."""
+
+    def forward_s(positions: int) -> float:
+        return (10 + 0.5 * (positions - 1)) / 1e3
+
+    controller = controller_with(lambda n: forward_s(n) * 1e3, max_length=4)
+    controller.observe_round(2, forward_s(2), 1, 2e-3, 0.0, drafting=1)
+    controller.observe_round(8, forward_s(8), 1, 8e-3, 0.0, drafting=4)
+    assert controller.choose([Candidate(fixed_tracker(0.6, 4), 4)])[0] >= 1
+    assert controller.choose([Candidate(fixed_tracker(0.6, 4), 4) for _ in range(4)]) == [0, 0, 0, 0]
+    assert controller.cost.seconds(8, 1, drafting=4) == pytest.approx(21.5e-3)
