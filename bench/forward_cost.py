@@ -28,18 +28,13 @@ from typing import Any
 
 import torch
 
+from bench.arguments import comma_ints, comma_names
 from bench.load.report import run_metadata, write_report
+from specdec.errors import InvalidArgumentError
 from specdec.models import load_model, quiet_model_loading
+from specdec.precision import check_dtype
 from specdec.runner import ForwardItem, KVRunner
 from specdec.tree import TokenTree
-
-
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
-
-
-def _chain(tokens: Sequence[int]) -> TokenTree:
-    return TokenTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
 
 
 def _synchronise(device: torch.device) -> None:
@@ -69,7 +64,10 @@ def time_forwards(
             runner.commit(seq, context)
         drafts = torch.randint(vocab, (batch_size, 1 + max(positions)), generator=generator).tolist()
         items = {
-            count: [ForwardItem(seq, row[:1], _chain(row[1:count])) for seq, row in zip(sequences, drafts, strict=True)]
+            count: [
+                ForwardItem(seq, row[:1], TokenTree.chain(row[1:count]))
+                for seq, row in zip(sequences, drafts, strict=True)
+            ]
             for count in positions
         }
         for batch in items.values():  # warm-up: buffers, rotary tables, the BLAS library's kernel choice
@@ -92,17 +90,17 @@ def time_forwards(
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per (dtype, threads, batch size, positions)."""
     rows = []
-    for dtype_name in args.dtypes.split(","):
+    for dtype_name in args.dtypes:
         target = load_model(args.target, dtype=getattr(torch, dtype_name), device=args.device)
         runner = KVRunner(target.model)
-        for threads in _ints(args.threads):
+        for threads in args.threads:
             torch.set_num_threads(threads)
-            for batch_size in _ints(args.batch_sizes):
+            for batch_size in args.batch_sizes:
                 times = time_forwards(
                     runner,
                     target.model.device,
                     batch_size=batch_size,
-                    positions=_ints(args.positions),
+                    positions=args.positions,
                     context=args.context,
                     number=args.number,
                     repeats=args.repeats,
@@ -166,10 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.forward_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtypes", default="float32", help="comma-separated torch dtypes, e.g. float32,bfloat16")
-    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated sequences per forward")
-    parser.add_argument("--positions", default="1,2,3,4,5,6,9", help="comma-separated positions per sequence")
+    parser.add_argument(
+        "--dtypes", type=comma_names, default=["float32"], help="comma-separated, e.g. float32,bfloat16"
+    )
+    parser.add_argument("--threads", type=comma_ints, default=[1, 2], help="comma-separated torch thread counts")
+    parser.add_argument("--batch-sizes", type=comma_ints, default=[1, 8], help="comma-separated sequences per forward")
+    parser.add_argument(
+        "--positions", type=comma_ints, default=[1, 2, 3, 4, 5, 6, 9], help="comma-separated positions per sequence"
+    )
     parser.add_argument("--context", type=int, default=300, help="committed tokens of every sequence")
     parser.add_argument("--number", type=int, default=5, help="forwards per timed run")
     parser.add_argument("--repeats", type=int, default=5)
@@ -179,8 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--name", default="forward-cost")
     args = parser.parse_args(argv)
     quiet_model_loading()
-    if not _ints(args.positions) or min(_ints(args.positions)) < 1:
+    if not args.positions or min(args.positions) < 1:
         parser.error("--positions: give counts of at least 1")
+    try:
+        for dtype in args.dtypes:
+            check_dtype(dtype)
+    except InvalidArgumentError as error:
+        parser.error(f"--dtypes: {error}")
     config = {key: value for key, value in vars(args).items() if key not in ("note", "result_dir", "name")}
     command = ["python", "-m", "bench.forward_cost", *(argv if argv is not None else sys.argv[1:])]
     document = {**run_metadata(args.name, command, config), "note": args.note, "rows": measure(args)}

@@ -39,6 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.arguments import comma_ints
 from bench.load.backends import GrpcBackend
 from bench.load.report import elide_option, run_metadata, write_report
 from bench.load.runner import LoadSpec, run_load
@@ -251,10 +252,6 @@ def _fractions(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part]
 
 
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
-
-
 def _loops(text: str) -> list[str]:
     loops = [part.strip() for part in text.split(",") if part.strip()]
     for loop in loops:
@@ -264,10 +261,12 @@ def _loops(text: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--streams", type=_ints, default=[1, 64, 500], help="part 1 stream counts ('': skip part 1)")
+    parser.add_argument(
+        "--streams", type=comma_ints, default=[1, 64, 500], help="part 1 stream counts ('': skip part 1)"
+    )
     parser.add_argument(
         "--bound-streams",
-        type=_ints,
+        type=comma_ints,
         default=[1, 8, 32, 128],
         help="part 2 stream counts (default 1,8,32,128; none: '')",
     )

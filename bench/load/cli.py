@@ -23,20 +23,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.arguments import comma_floats, comma_names
+
 _PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
 
 
 def default_prompts() -> Path:
     shipped = _PROMPTS_DIR / "load.jsonl"
     return shipped if shipped.exists() else _PROMPTS_DIR / "colocated.jsonl"
-
-
-def _floats(text: str) -> list[float]:
-    return [float(item) for item in text.split(",") if item.strip()]
-
-
-def _names(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argparse.Namespace], int]]:
@@ -64,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
     target.add_argument("--simulate", action="store_true", help="start a router over simulated workers for the run")
 
     load = parser.add_argument_group("load")
-    load.add_argument("--qps", type=_floats, help="arrival rate(s), comma-separated for a sweep; inf: all at once")
+    load.add_argument("--qps", type=comma_floats, help="arrival rate(s), comma-separated for a sweep; inf: all at once")
     load.add_argument("--arrival", choices=("poisson", "constant", "gamma"), default="poisson")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: <1 burstier, >1 smoother")
     load.add_argument("--concurrency", type=int, help="closed loop: N users, each sending when the last finished")
@@ -76,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
 
     work = parser.add_argument_group("requests")
     work.add_argument("--prompts", type=Path, default=default_prompts(), help="JSONL of {id, category, prompt}")
-    work.add_argument("--categories", type=_names, help="only these prompt categories (comma-separated)")
+    work.add_argument("--categories", type=comma_names, help="only these prompt categories (comma-separated)")
     work.add_argument("--completions", action="store_true", help="raw prompt, no chat template (/v1/completions)")
     work.add_argument("--max-tokens", type=int, default=128)
     work.add_argument("--temperature", type=float, default=0.0)
@@ -84,7 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, Callable[[argp
     work.add_argument("--top-k", type=int)
     work.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     work.add_argument("--speculation", choices=MODES, help="default: the router's")
-    work.add_argument("--sweep-speculation", type=_names, help="repeat every point per mode, e.g. off,sequential,auto")
+    work.add_argument(
+        "--sweep-speculation", type=comma_names, help="repeat every point per mode, e.g. off,sequential,auto"
+    )
     work.add_argument("--drafter", help="drafter kind (default: the router's)")
     work.add_argument("--num-draft-tokens", type=int)
     work.add_argument("--tree-width", type=int)
