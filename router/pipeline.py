@@ -73,7 +73,7 @@ from router.errors import NoWorkerError, WorkerBusyError, WorkerError, WorkerRej
 from router.predraft import PreDraft, select, selected
 from router.requests import DraftShape, Plan
 from router.text import TextStream
-from specdec.adaptive import Candidate, SpeculationController
+from specdec.adaptive import Candidate, SpeculationController, rows_per_level
 from specdec.sampling_params import SamplingParams, TopLogprobs
 from specdec.stats import AcceptanceCounts
 from specdec.tree import TokenTree
@@ -756,7 +756,10 @@ class Session:
             forward_s, draft_s = verified.verify_ns / 1e9, record.exposed_draft_ns / 1e9
             other_s = record.wall_ns / 1e9 - forward_s - draft_s
             drafted_levels = depth if record.exposed_draft_ns else 0  # a pre-draft's levels cost this round nothing
-            self._controller.observe_round(verified.forward_positions, forward_s, drafted_levels, draft_s, other_s)
+            rows = rows_per_level(record.draft_size, depth)
+            self._controller.observe_round(
+                verified.forward_positions, forward_s, drafted_levels, draft_s, other_s, rows
+            )
 
     def _take(self, verified: Verified) -> Chunk:
         """Account the verdict's tokens (cut at the budget or a stop string); set ``finish_reason`` when done."""

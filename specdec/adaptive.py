@@ -4,11 +4,12 @@ A chain of length γ whose positions are accepted with conditional rates α_1..�
 1..i-1 were) commits ``E(γ) = 1 + Σ_{k=1..γ} Π_{i≤k} α_i`` tokens per round in expectation: the round's last token
 is always the target's. Verifying a batch whose requests draft γ_r takes about
 
-    T = overhead_s + draft_level_s(D) · max_r γ_r + forward_s(Σ_r (1 + γ_r))
+    T = overhead_s + draft_level_s(R) · max_r γ_r + forward_s(Σ_r (1 + γ_r))
 
 seconds: a fixed cost per round (router, wire, queueing), one draft step per level (drafting is batched across
-sequences level by level) whose cost grows with the D sequences drafting in it (on a GPU barely, on a CPU nearly in
-proportion), and one target forward over every position (the curve the verifier's forwards trace).
+sequences level by level) whose cost grows with the R rows drafted in it (one per chain, a tree's frontier per tree:
+on a GPU barely, on a CPU nearly in proportion), and one target forward over every position (the curve the
+verifier's forwards trace).
 The fixed cost is learnt apart for rounds that draft: disaggregated, they also wait for a call to the drafter and
 carry a larger verify message, and a single average over both kinds, mostly plain rounds where drafting rarely
 pays, would price a drafting round as cheap as a plain one and keep drafting where it loses.
@@ -58,7 +59,7 @@ class MovingAverage:
 
 class CostCurve:
     """Seconds of one step against a count, learnt from measurements: a target forward against the positions in it,
-    a draft level against the sequences drafting in it.
+    a draft level against the rows drafted in it.
 
     Each measurement moves a moving average at its count. A query between measured counts
     interpolates linearly; past either end it goes on from the nearest measured count along the least-squares slope
@@ -118,6 +119,12 @@ class CostCurve:
         return 1 + PRIOR_SLOPE * (positions - 1)
 
 
+def rows_per_level(nodes: int, depth: int) -> int:
+    """Rows one sequence's draft of ``nodes`` nodes ``depth`` levels deep puts into each draft level, on average: 1 for
+    a chain, a tree's frontier (its nodes spread over its levels) for a tree; 0 for no draft."""
+    return -(-nodes // depth) if depth > 0 and nodes > 0 else 0
+
+
 @dataclass
 class RoundCost:
     """What a round costs besides its forward: per draft level, and fixed (router, wire, queueing), the fixed cost
@@ -126,14 +133,14 @@ class RoundCost:
     at nothing)."""
 
     forward: CostCurve = field(default_factory=CostCurve)
-    draft_level: CostCurve = field(default_factory=lambda: CostCurve(prior_s=0.0))  # by sequences; free until measured
+    draft_level: CostCurve = field(default_factory=lambda: CostCurve(prior_s=0.0))  # by rows; free until measured
     overhead_s: MovingAverage = field(default_factory=MovingAverage)
     drafting_overhead_s: MovingAverage = field(default_factory=MovingAverage)
 
-    def seconds(self, positions: int, draft_levels: int, drafting: int = 1) -> float:
-        """A round with ``positions`` in its forward whose longest draft has ``draft_levels`` levels, drafted for
-        ``drafting`` sequences together."""
-        level_s = self.draft_level.seconds(drafting) if draft_levels else 0.0
+    def seconds(self, positions: int, draft_levels: int, rows: int = 1) -> float:
+        """A round with ``positions`` in its forward whose longest draft has ``draft_levels`` levels of ``rows``
+        rows each (:func:`rows_per_level` summed over the sequences drafted together)."""
+        level_s = self.draft_level.seconds(rows) if draft_levels else 0.0
         return self.fixed_s(draft_levels) + level_s * draft_levels + self.forward.seconds(positions)
 
     def fixed_s(self, draft_levels: int) -> float:
@@ -255,13 +262,14 @@ class SpeculationController:
         self.population.observe(proposed, accepted)
 
     def observe_round(
-        self, positions: int, forward_s: float, draft_levels: int, draft_s: float, other_s: float, drafting: int = 1
+        self, positions: int, forward_s: float, draft_levels: int, draft_s: float, other_s: float, rows: int = 1
     ) -> None:
-        """One measured round: a forward over ``positions`` that took ``forward_s``; ``draft_levels`` levels drafted
-        in ``draft_s`` for ``drafting`` sequences together; ``other_s`` of the round's wall time was neither."""
+        """One measured round: a forward over ``positions`` that took ``forward_s``; ``draft_levels`` levels of
+        ``rows`` rows each (:func:`rows_per_level`, summed over the sequences drafted together) drafted in ``draft_s``;
+        ``other_s`` of the round's wall time was neither."""
         self.cost.forward.observe(positions, forward_s)
         if draft_levels > 0:
-            self.cost.draft_level.observe(max(drafting, 1), draft_s / draft_levels)
+            self.cost.draft_level.observe(max(rows, 1), draft_s / draft_levels)
         self.cost.observe_fixed(draft_levels, other_s)
 
     def pipelining_pays(
@@ -292,7 +300,7 @@ class SpeculationController:
             return False
         gains = tracker.gains(min(depth, tracker.max_length))
         expected, whole = 1 + sum(gains), gains[-1]
-        sequential_s = self.cost.seconds(other_positions + 1 + positions, depth)
+        sequential_s = self.cost.seconds(other_positions + 1 + positions, depth, rows_per_level(positions, depth))
         after_hit_s = self.cost.seconds(other_positions + positions, 0)  # drafted while the last round verified
         pipelined_s = (1 - whole) * sequential_s + whole * after_hit_s
         return (other_tokens + expected - whole) / pipelined_s > (other_tokens + expected) / sequential_s
@@ -332,13 +340,16 @@ class SpeculationController:
         levels = 0
         best_rate = tokens / self.cost.seconds(positions, 0) * (1 + self.min_gain)
         best_prefix = 0
-        drafting: set[int] = set()  # the requests the prefix drafts for: a level costs more the more it drafts
+        drafting: set[int] = set()  # the requests the prefix drafts for: a level costs more the more rows it drafts
+        rows = 0
         for taken, (negative_gain, _, index, added, level) in enumerate(increments, start=1):
             positions += added
             tokens += -negative_gain * added
             levels = max(levels, level)
-            drafting.add(index)
-            rate = tokens / self.cost.seconds(positions, levels, len(drafting))
+            if index not in drafting:
+                drafting.add(index)
+                rows += rows_per_level(added, level)  # a request's first increment: a chain's first node, or a tree
+            rate = tokens / self.cost.seconds(positions, levels, rows)
             if rate > best_rate:
                 best_rate, best_prefix = rate, taken
         lengths = [0] * len(candidates)

@@ -18,7 +18,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from specdec.adaptive import AcceptanceTracker, Candidate, SpeculationController
+from specdec.adaptive import AcceptanceTracker, Candidate, SpeculationController, rows_per_level
 from specdec.drafters.base import Drafter, Proposal
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams, TopLogprobs
@@ -194,10 +194,8 @@ class Engine:
             self.controller.observe_verdict(sequence.tracker, depth, outcome.verdict.num_accepted)
         forward = outcomes[0]
         other_s = round_s - draft_s - forward.verify_s
-        drafting = sum(depth > 0 for depth in depths)
-        self.controller.observe_round(
-            forward.forward_positions, forward.verify_s, max(depths), draft_s, other_s, drafting
-        )
+        rows = sum(rows_per_level(len(p.tree), depth) for p, depth in zip(proposals, depths, strict=True))
+        self.controller.observe_round(forward.forward_positions, forward.verify_s, max(depths), draft_s, other_s, rows)
 
     def _record(
         self, sequence: _Sequence, proposal: Proposal, outcome: VerifyOutcome, draft_s: float, drafter_commit_s: float

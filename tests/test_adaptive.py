@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specdec.adaptive import AcceptanceTracker, Candidate, CostCurve, SpeculationController
+from specdec.adaptive import AcceptanceTracker, Candidate, CostCurve, SpeculationController, rows_per_level
 
 
 def controller_with(forward_ms, *, draft_level_ms: float = 0.0, overhead_ms: float = 0.0, max_length: int = 8):
@@ -236,8 +236,26 @@ def test_a_draft_level_over_more_sequences_costs_what_was_measured_for_that_many
         return (10 + 0.5 * (positions - 1)) / 1e3
 
     controller = controller_with(lambda n: forward_s(n) * 1e3, max_length=4)
-    controller.observe_round(2, forward_s(2), 1, 2e-3, 0.0, drafting=1)
-    controller.observe_round(8, forward_s(8), 1, 8e-3, 0.0, drafting=4)
+    controller.observe_round(2, forward_s(2), 1, 2e-3, 0.0, rows=1)
+    controller.observe_round(8, forward_s(8), 1, 8e-3, 0.0, rows=4)
     assert controller.choose([Candidate(fixed_tracker(0.6, 4), 4)])[0] >= 1
     assert controller.choose([Candidate(fixed_tracker(0.6, 4), 4) for _ in range(4)]) == [0, 0, 0, 0]
-    assert controller.cost.seconds(8, 1, drafting=4) == pytest.approx(21.5e-3)
+    assert controller.cost.seconds(8, 1, rows=4) == pytest.approx(21.5e-3)
+
+
+def test_a_tree_level_is_priced_by_the_rows_it_drafts_not_as_one_chain_node() -> None:
+    """Forward 10 ms + 0.5 ms per extra position; a draft level of one row takes 2 ms, of four rows 8 ms. A tree of
+    8 nodes over 2 levels drafts 4 rows a level: 1 + 0.6 + 0.36 = 1.96 tokens in 10 + 4 + 2 · 8 = 30 ms (0.065 / ms)
+    against plain steps' 0.1 / ms, so no tree. Priced as one row a level (2 ms) it would look like 1.96 in 18 ms
+    (0.109 / ms, past the 5 % margin) and be drafted. A chain of 2 drafts one row a level: 1.96 in 11 + 2 · 2 ms."""
+
+    def forward_s(positions: int) -> float:
+        return (10 + 0.5 * (positions - 1)) / 1e3
+
+    controller = controller_with(lambda n: forward_s(n) * 1e3, max_length=2)
+    controller.observe_round(3, forward_s(3), 2, 4e-3, 0.0, 1)  # a chain of 2: one row a level
+    controller.observe_round(9, forward_s(9), 2, 16e-3, 0.0, 4)  # a tree of 8 nodes over 2 levels: four rows
+    assert rows_per_level(8, 2) == 4 and rows_per_level(2, 2) == 1 and rows_per_level(0, 0) == 0
+    assert controller.choose([Candidate(fixed_tracker(0.6, 2), 2, tree_nodes=8)]) == [0]
+    assert controller.cost.seconds(9, 2, 4) == pytest.approx(30e-3)
+    assert controller.choose([Candidate(fixed_tracker(0.6, 2), 2)]) == [2]
