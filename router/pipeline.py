@@ -34,14 +34,14 @@ The verdict selects one of them or none (:mod:`router.predraft`, which also give
 Every emitted token comes from the verifier's rule, so pipelining never changes the output distribution.
 
 **Auto**: rounds whose draft length a router-wide :class:`~specdec.adaptive.SpeculationController` chooses every
-round (0: a plain target step, the drafter kept in step by a Commit that travels while the verifier works), up to
-the request's shape, pipelined as above where the controller says pre-drafting pays
-(:meth:`~specdec.adaptive.SpeculationController.pipelining_pays`: it defers a whole acceptance's bonus, so it pays
-only where the drafting it hides costs more) and sequential otherwise; the pre-draft's length is the controller's
-choice for the next round, made when the pre-draft starts (0 pre-drafts nothing and draws the bonus at once). Each
-session decides for itself, with the rest of its verifier's last forward (positions, sequences: the verdict reports
-them) as the load it shares the forward with; every taken round teaches the controller the request's acceptance and
-the costs (forward by positions, draft per level, the rest).
+round (0: a plain target step, the drafter kept in step by a Commit that travels while the verifier works and that
+no round waits for: the drafter's next proposal waits for its answer), up to the request's shape, pipelined as above
+where the controller says pre-drafting pays (:meth:`~specdec.adaptive.SpeculationController.pipelining_pays`: it
+defers a whole acceptance's bonus, so it pays only where the drafting it hides costs more) and sequential otherwise;
+the pre-draft's length is the controller's choice for the next round, made when the pre-draft starts (0 pre-drafts
+nothing and draws the bonus at once). Each session decides for itself, with the rest of its verifier's last forward
+(positions, sequences: the verdict reports them) as the load it shares the forward with; every taken round teaches
+the controller the request's acceptance and the costs (forward by positions, draft per level, the rest).
 
 Monitoring hears the loop through an optional :class:`RoundObserver` (the router's metrics), so this module stays
 free of any metrics library.
@@ -349,6 +349,7 @@ class Session:
         self._propose_ids = itertools.count(1)  # numbers the pre-drafts (a Commit's cancel_through names them)
         self._late_failure: WorkerError | None = None  # an abandoned pre-draft's failure, acted on next round
         self._pending_commit: Commit | None = None  # the last verdict, not yet told to the drafter
+        self._flushing: asyncio.Task[None] | None = None  # the last Commit sent without the round waiting for it
         self._verifier_features = False  # the verifier sequence sends feature rows
         self._inflight: set[asyncio.Task[Any]] = set()
         self._background = background if background is not None else set()
@@ -541,15 +542,31 @@ class Session:
             self._drop_drafter(error)
             return None
 
-    async def _flush_commit(self) -> None:
-        """Tell the drafter the last verdict, if it has not heard it yet."""
-        if self._pending_commit is None:
-            return
+    def _flush_in_background(self) -> None:
+        """Tell the drafter the last verdict without the round waiting for its answer: the Commit goes out once the one
+        before it is acknowledged (no Commit may overtake another), and only the drafter's next proposal waits for it
+        (:meth:`_commits_acknowledged`). A drafter busy with a long job (a long prompt's first draft) then delays its
+        own next proposal, not every round of every request it serves. A Commit whose drafter or sequence the
+        request has left meanwhile is not sent."""
         commit, self._pending_commit = self._pending_commit, None
-        await self._drafter_call(lambda drafter: drafter.commit(self.sequence_id, *commit))
+        previous, drafter, sequence_id = self._flushing, self.drafter, self.sequence_id
+
+        async def flush() -> None:
+            if previous is not None:
+                await asyncio.shield(previous)
+            if commit is not None and self.drafter is drafter and self.sequence_id == sequence_id:
+                await self._drafter_call(lambda drafter: drafter.commit(sequence_id, *commit))
+
+        self._flushing = self._spawn(flush())
+
+    async def _commits_acknowledged(self) -> None:
+        """Wait until the drafter has answered every Commit sent in the background."""
+        if self._flushing is not None:
+            await asyncio.shield(self._flushing)
 
     async def _propose(self, budget: int) -> Drafted | None:
         """A fresh proposal, carrying the last verdict's Commit if the drafter has not heard it (one message)."""
+        await self._commits_acknowledged()
         commit, self._pending_commit = self._pending_commit, None
         drafted = await self._drafter_call(
             lambda drafter: drafter.propose(self.sequence_id, budget, assume_previous_accepted=False, commit=commit)
@@ -570,10 +587,14 @@ class Session:
         the drafter."""
         commit, self._pending_commit = self._pending_commit, None
         drafter, sequence_id, propose_id = self.drafter, self.sequence_id, next(self._propose_ids)
-        committed = asyncio.Event()
+        committed, flushing = asyncio.Event(), self._flushing
 
         async def predraft() -> Drafted | WorkerError | None:
             if drafter is None:
+                return None
+            if flushing is not None:
+                await asyncio.shield(flushing)
+            if self.drafter is not drafter:  # a Commit sent in the background failed: the drafter was dropped
                 return None
             try:
                 if commit is not None:
@@ -707,13 +728,12 @@ class Session:
             verifier.verify(sequence_id, drafted if size else None, defer_bonus=pipelined, stop_features=stop_features)
         )
         predraft = self._start_predraft(predraft_budget) if pipelined else None
-        flush = None
         if predraft is None and self.drafter is not None and self._pending_commit is not None:
-            flush = self._spawn(self._flush_commit())
+            self._flush_in_background()
         try:
             verified = await asyncio.shield(verify)
         except WorkerError as error:
-            for task in (flush, predraft.task if predraft else None):
+            for task in (self._flushing, predraft.task if predraft else None):
                 if task is not None:
                     await asyncio.shield(task)
             await self._recover(error, verifier, drafted)
@@ -726,8 +746,6 @@ class Session:
         chunk = self._take(verified)
         if chunk.token_ids or chunk.text:
             await self.emit(chunk)
-        if flush is not None:
-            await asyncio.shield(flush)
         hit = rejection_hit = False
         if predraft is not None:
             assert drafted is not None

@@ -589,6 +589,40 @@ def test_a_round_that_drafts_nothing_verifies_while_the_drafter_hears_the_last_v
     assert_clean(placement)
 
 
+def test_rounds_that_draft_nothing_do_not_wait_for_a_busy_drafter_to_answer_their_commits() -> None:
+    """``auto`` at γ = 0 for five rounds, then γ = 1: the drafter (busy with a long job) answers no Commit until five
+    tokens have been streamed. The plain rounds go on without its answers, their Commits queue behind the first in
+    order, and only the round that drafts waits for them. A round that waited for its own Commit's answer would
+    stream one token and stop (the drafter's wait then times out)."""
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    commit, released = drafter.commit, asyncio.Event()
+    commits: list[tuple[int, int]] = []
+
+    async def commit_when_released(sequence_id: str, base_length: int, emitted: Sequence[int], *args) -> None:
+        async with asyncio.timeout(5):
+            await released.wait()
+        commits.append((base_length, len(emitted)))
+        await commit(sequence_id, base_length, emitted, *args)
+
+    drafter.commit = commit_when_released  # type: ignore[method-assign]
+    placement = FakePlacement([verifier], [drafter])
+    tokens: list[int] = []
+
+    async def emit(chunk: Chunk) -> None:
+        tokens.extend(chunk.token_ids)
+        if len(tokens) >= 5:
+            released.set()
+
+    controller = CyclingController((0,) * 5 + (1,))
+    final = asyncio.run(
+        Session(make_plan("auto", max_tokens=8), placement, emit, sequence_id="s", controller=controller).run()
+    )
+    assert tokens == reference(PROMPT, 8)[0]
+    assert final.stats.draft_tokens >= 1 and not final.stats.drafter_fallback
+    assert commits[:5] == [(len(PROMPT) + n, 1) for n in range(5)]  # in order, each after the one before
+    assert_clean(placement)
+
+
 @pytest.mark.parametrize("wrong_every", [0, 5])
 def test_auto_pipelines_the_draft_length_the_controller_picks_next(wrong_every: int) -> None:
     """``auto`` pre-drafts while it verifies, with the length the controller chooses for the next round; a
