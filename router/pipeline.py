@@ -150,8 +150,10 @@ class RoundRecord:
     """One round whose verdict was taken, for monitoring: what it verified and where its wall time went.
 
     ``exposed_draft_ns`` is the drafter time the verifier waited for: a fresh proposal's ``draft_ns``, 0 for a
-    proposal pre-drafted during the previous round (or no proposal). ``pipeline_hit`` is None for a round that was
-    not pipelined; ``rejection_hit``: the hit was a pre-drafted rejection outcome (multi-outcome pre-drafting).
+    proposal pre-drafted during the previous round (or no proposal); ``drafter_wait_ns`` the round's wall time until
+    that fresh proposal was in hand (the call, its queueing and the drafting). ``pipeline_hit`` is None for a round
+    that was not pipelined; ``rejection_hit``: the hit was a pre-drafted rejection outcome (multi-outcome
+    pre-drafting).
     """
 
     draft_size: int  # nodes verified, 0 for a target-only round
@@ -160,6 +162,7 @@ class RoundRecord:
     exposed_draft_ns: int
     pipeline_hit: bool | None
     rejection_hit: bool = False
+    drafter_wait_ns: int = 0
 
 
 class RoundObserver(Protocol):
@@ -706,7 +709,9 @@ class Session:
             self._drop_drafter(error)
         base_length = len(self.plan.prompt_ids) + len(self.generated)
         fresh = self._predrafted is None  # else the proposal was drafted while the previous round verified
+        asked = time.perf_counter_ns()
         drafted = await self._next_proposal()
+        drafter_wait_ns = time.perf_counter_ns() - asked if fresh and drafted is not None else 0
         size = len(drafted.tree) if drafted else 0
         pipelined = (
             self.plan.mode in ("pipelined", "auto")
@@ -754,8 +759,9 @@ class Session:
             cancel_through = predraft.propose_id if predraft is not None and not hit else 0
             self._pending_commit = Commit(base_length, verified.emitted, verified.features, cancel_through)
         exposed_ns = drafted.draft_ns if fresh and drafted is not None else 0
+        wall_ns = time.perf_counter_ns() - started
         record = RoundRecord(
-            size, verified, time.perf_counter_ns() - started, exposed_ns, hit if pipelined else None, rejection_hit
+            size, verified, wall_ns, exposed_ns, hit if pipelined else None, rejection_hit, drafter_wait_ns
         )
         if self._controller is not None:
             self._teach(record, drafted.tree.max_depth() if size and drafted is not None else 0)
@@ -772,11 +778,13 @@ class Session:
                 self._last_forward = (verified.forward_positions, verified.batch_size)
                 self._last_size = record.draft_size
             forward_s, draft_s = verified.verify_ns / 1e9, record.exposed_draft_ns / 1e9
-            other_s = record.wall_ns / 1e9 - forward_s - draft_s
+            waited_s = max(record.drafter_wait_ns / 1e9, draft_s)
+            other_s = record.wall_ns / 1e9 - forward_s - waited_s
             drafted_levels = depth if record.exposed_draft_ns else 0  # a pre-draft's levels cost this round nothing
+            call_s = waited_s - draft_s if drafted_levels else None
             rows = rows_per_level(record.draft_size, depth)
             self._controller.observe_round(
-                verified.forward_positions, forward_s, drafted_levels, draft_s, other_s, rows
+                verified.forward_positions, forward_s, drafted_levels, draft_s, other_s, rows, call_s
             )
 
     def _take(self, verified: Verified) -> Chunk:

@@ -4,15 +4,17 @@ A chain of length γ whose positions are accepted with conditional rates α_1..�
 1..i-1 were) commits ``E(γ) = 1 + Σ_{k=1..γ} Π_{i≤k} α_i`` tokens per round in expectation: the round's last token
 is always the target's. Verifying a batch whose requests draft γ_r takes about
 
-    T = overhead_s + draft_level_s(R) · max_r γ_r + forward_s(Σ_r (1 + γ_r))
+    T = overhead_s + [draft_call_s + draft_level_s(R) · max_r γ_r] + forward_s(Σ_r (1 + γ_r))
 
-seconds: a fixed cost per round (router, wire, queueing), one draft step per level (drafting is batched across
-sequences level by level) whose cost grows with the R rows drafted in it (one per chain, a tree's frontier per tree:
-on a GPU barely, on a CPU nearly in proportion), and one target forward over every position (the curve the
-verifier's forwards trace).
-The fixed cost is learnt apart for rounds that draft: disaggregated, they also wait for a call to the drafter and
-carry a larger verify message, and a single average over both kinds, mostly plain rounds where drafting rarely
-pays, would price a drafting round as cheap as a plain one and keep drafting where it loses.
+seconds: a fixed cost per round (router, wire, queueing), for a round that drafts what calling the drafter adds
+besides its drafting (disaggregated: the call's wire and its wait in the drafter's queue) and one draft step per
+level (drafting is batched across sequences level by level) whose cost grows with the R rows drafted in it (one per
+chain, a tree's frontier per tree: on a GPU barely, on a CPU nearly in proportion), and one target forward over
+every position (the curve the verifier's forwards trace).
+The fixed cost is learnt from every round, and the drafter call's own cost is measured directly (the call's wall
+time less the drafting it reports), never as the difference of two averages: under load the fixed cost is mostly
+queueing for the verifier and grows with the load, and an average learnt from the rare rounds that draft lags it
+(at low load it was learnt), so drafting rounds looked the cheaper kind and the controller drafted where it lost.
 :class:`SpeculationController` picks the γ_r that maximise the batch's goodput ``Σ_r E_r(γ_r) / T`` (SmartSpec's
 objective), from each request's measured, decayed acceptance by position (:class:`AcceptanceTracker`) and the
 measured costs (:class:`CostCurve`, :class:`RoundCost`). When verification is the bottleneck and a drafted
@@ -127,15 +129,13 @@ def rows_per_level(nodes: int, depth: int) -> int:
 
 @dataclass
 class RoundCost:
-    """What a round costs besides its forward: per draft level, and fixed (router, wire, queueing), the fixed cost
-    for rounds that draft (``drafting_overhead_s``) apart from plain rounds' (``overhead_s``); until one kind is
-    measured it is taken to be the other's (a fixed cost of 0 would let a forward extrapolated to 0 s price a round
-    at nothing)."""
+    """What a round costs besides its forward: per draft level, fixed (router, wire, queueing: every round), and
+    what a round that drafts adds by calling the drafter (``draft_call_s``: 0 co-located, and until measured)."""
 
     forward: CostCurve = field(default_factory=CostCurve)
     draft_level: CostCurve = field(default_factory=lambda: CostCurve(prior_s=0.0))  # by rows; free until measured
     overhead_s: MovingAverage = field(default_factory=MovingAverage)
-    drafting_overhead_s: MovingAverage = field(default_factory=MovingAverage)
+    draft_call_s: MovingAverage = field(default_factory=MovingAverage)
 
     def seconds(self, positions: int, draft_levels: int, rows: int = 1) -> float:
         """A round with ``positions`` in its forward whose longest draft has ``draft_levels`` levels of ``rows``
@@ -145,13 +145,7 @@ class RoundCost:
 
     def fixed_s(self, draft_levels: int) -> float:
         """The fixed cost of a round that drafts ``draft_levels`` levels (0: a plain round)."""
-        drafting, plain = self.drafting_overhead_s, self.overhead_s
-        own, other = (drafting, plain) if draft_levels > 0 else (plain, drafting)
-        return (own if own.samples or not other.samples else other).value
-
-    def observe_fixed(self, draft_levels: int, seconds: float) -> None:
-        """A measured round's fixed cost: its wall time less its forward and the drafting it waited for."""
-        (self.drafting_overhead_s if draft_levels > 0 else self.overhead_s).add(max(seconds, 0.0))
+        return self.overhead_s.value + (self.draft_call_s.value if draft_levels > 0 else 0.0)
 
 
 class AcceptanceTracker:
@@ -262,15 +256,25 @@ class SpeculationController:
         self.population.observe(proposed, accepted)
 
     def observe_round(
-        self, positions: int, forward_s: float, draft_levels: int, draft_s: float, other_s: float, rows: int = 1
+        self,
+        positions: int,
+        forward_s: float,
+        draft_levels: int,
+        draft_s: float,
+        other_s: float,
+        rows: int = 1,
+        call_s: float | None = None,
     ) -> None:
         """One measured round: a forward over ``positions`` that took ``forward_s``; ``draft_levels`` levels of
         ``rows`` rows each (:func:`rows_per_level`, summed over the sequences drafted together) drafted in ``draft_s``;
-        ``other_s`` of the round's wall time was neither."""
+        ``other_s`` of the round's wall time was neither, nor the drafter call's ``call_s`` (its wall time less
+        ``draft_s``; None: no call was waited for)."""
         self.cost.forward.observe(positions, forward_s)
         if draft_levels > 0:
             self.cost.draft_level.observe(max(rows, 1), draft_s / draft_levels)
-        self.cost.observe_fixed(draft_levels, other_s)
+        self.cost.overhead_s.add(max(other_s, 0.0))
+        if call_s is not None:
+            self.cost.draft_call_s.add(max(call_s, 0.0))
 
     def pipelining_pays(
         self,

@@ -194,23 +194,39 @@ def test_an_idle_request_probes_one_level() -> None:
     assert lengths == ([0] * 16 + [1]) * 2 + [0] * 6
 
 
-def test_a_drafting_rounds_own_fixed_cost_is_priced_apart_from_plain_rounds() -> None:
-    # Rounds that draft wait for the drafter (8 ms besides the forward) where plain ones cost 1 ms; drafting rarely
-    # happens, so an average over all rounds stays near 1 ms and would make γ = 1 look worth it: 1.5 tokens in
-    # 1.7 + 1 + 10 ms against 1 token in 11 ms. At its true 8 ms no γ pays (γ = 1: 1.5 / 19 < 1 / 11).
+def test_a_drafting_round_adds_what_its_drafter_call_measured_to_the_fixed_cost_of_every_round() -> None:
+    # Every round has 1 ms of fixed cost; a round that drafts also waits 7 ms for its drafter call besides the 1 ms
+    # of drafting it reports. Drafting is rare, so an average over all rounds of their whole remainder would stay
+    # near 1 ms and make γ = 1 look worth it: 1.5 tokens in 1 + 1 + 10 ms against 1 token in 11 ms. At its true 8 ms
+    # no γ pays (γ = 1: 1.5 / 19 < 1 / 11).
     controller = SpeculationController(8, probe_every=1000)
     for round_index in range(200):
         drafted = round_index % 10 == 9
         levels = 1 if drafted else 0
-        other_s = 8e-3 if drafted else 1e-3
-        controller.observe_round(1 + levels, 10e-3, levels, 1e-3 * levels, other_s)
+        controller.observe_round(1 + levels, 10e-3, levels, 1e-3 * levels, 1e-3, call_s=7e-3 if drafted else None)
     tracker = fixed_tracker(0.5)
     assert controller.cost.seconds(2, 1) == pytest.approx(19e-3, rel=0.02)
     assert controller.choose([Candidate(tracker, 8)]) == [0]
-    controller.observe_round(2, 10e-3, 1, 1e-3, 1e-3)  # the drafter got cheap: its fixed cost falls towards 1 ms
-    for _ in range(30):
-        controller.observe_round(2, 10e-3, 1, 1e-3, 1e-3)
+    for _ in range(30):  # the drafter's calls got cheap
+        controller.observe_round(2, 10e-3, 1, 1e-3, 1e-3, call_s=0.0)
     assert controller.choose([Candidate(tracker, 8)])[0] >= 1
+
+
+def test_drafting_is_priced_with_the_fixed_cost_the_load_has_now_not_the_one_of_the_last_drafting_round() -> None:
+    """Seen on the real stack (30-minute head, 0.4 QPS): a few rounds drafted early, at low load, with 38 ms of fixed
+    cost; then the load grew, plain rounds queued for the verifier (300 ms of fixed cost), and a controller that
+    priced drafting rounds by their own average (still 38 ms) found drafting 5x cheaper than a plain round and
+    drafted at an acceptance of 0.12: 5.12 tokens in 38 + 22 + 155 ms looked better than 5 in 300 + 145. Priced
+    with the fixed cost every round pays now, γ = 1 is 5.12 tokens in 300 + 22 + 155 ms: worse than plain steps."""
+    forward_ms = {1: 81, 2: 90, 5: 145, 6: 155}
+    controller = SpeculationController(4, probe_every=1000)
+    for _ in range(20):  # low load: one sequence, drafting one level
+        controller.observe_round(2, forward_ms[2] / 1e3, 1, 21.9e-3, 38e-3)
+    for _ in range(100):  # five sequences, plain, queueing
+        controller.observe_round(5, forward_ms[5] / 1e3, 0, 0.0, 300e-3)
+    controller.observe_round(1, forward_ms[1] / 1e3, 0, 0.0, 300e-3)
+    controller.observe_round(6, forward_ms[6] / 1e3, 0, 0.0, 300e-3)
+    assert controller.choose([Candidate(fixed_tracker(0.12, 4), 4)], other_positions=4, other_tokens=4.0) == [0]
 
 
 def test_a_plain_round_is_priced_with_the_drafting_fixed_cost_until_one_is_measured() -> None:
