@@ -558,7 +558,7 @@ class Session:
             if previous is not None:
                 await asyncio.shield(previous)
             if commit is not None and self.drafter is drafter and self.sequence_id == sequence_id:
-                await self._drafter_call(lambda drafter: drafter.commit(sequence_id, *commit))
+                await self._drafter_call(lambda current: current.commit(sequence_id, *commit))
 
         self._flushing = self._spawn(flush())
 
