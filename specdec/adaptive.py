@@ -29,8 +29,11 @@ paying the worse configuration half the time; where speculation pays (1.5-3× on
 
 A request that has not drafted for ``probe_every`` rounds (16 by default) drafts one level anyway: its acceptance
 estimate moves only on evidence, and so does the population's, which every new request starts from. Without the
-probe a few early rejections (a short greeting, say) would keep the router from ever drafting again; with it,
-speculation that does not pay costs one drafted token per 16 rounds.
+probe a few early rejections (a short greeting, say) would keep the router from ever drafting again. Each probe that
+accepts nothing doubles the request's wait for the next (up to ``PROBE_BACKOFF_DOUBLINGS`` times: 128 rounds), and a
+round that accepts anything resets it: a probe is not free (on a CPU an EAGLE drafter's first draft of a request
+runs its head over the whole prompt, and the forward grows by a position), and with a draft that never paid, the
+probes were what kept ``auto`` below speculation off under load here (``bench/results/auto-under-load.md``).
 
 The choice is a control decision only: whatever proposal goes out, the verifier's acceptance rule keeps the output
 distribution exactly the target's, so no choice here can change what is sampled.
@@ -42,6 +45,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+PROBE_BACKOFF_DOUBLINGS = 3  # the wait between failed probes of a request grows to at most 8 x probe_every
 PRIOR_FORWARD_S = 0.01  # a guess at a one-position forward until one is measured
 PRIOR_SLOPE = 0.125  # ...and at what each further position adds, relative to it (then scaled by measurements)
 
@@ -164,6 +168,7 @@ class AcceptanceTracker:
         self._tried = [0.0] * len(self.prior)
         self._accepted = [0.0] * len(self.prior)
         self.idle_rounds = 0  # rounds since the request last drafted
+        self.failed_probes = 0  # probes in a row that accepted nothing
 
     @property
     def max_length(self) -> int:
@@ -251,9 +256,16 @@ class SpeculationController:
             tracker.fade()
             tracker.idle_rounds += 1
             return
+        probed = tracker.idle_rounds >= self.probe_wait(tracker)  # a draft after that long idle is a probe
         tracker.idle_rounds = 0
+        tracker.failed_probes = 0 if accepted else tracker.failed_probes + probed
         tracker.observe(proposed, accepted)
         self.population.observe(proposed, accepted)
+
+    def probe_wait(self, tracker: AcceptanceTracker) -> int:
+        """Idle rounds after which ``tracker``'s request probes: ``probe_every``, doubled for each probe in a row that
+        accepted nothing (at most ``PROBE_BACKOFF_DOUBLINGS`` times)."""
+        return self.probe_every << min(tracker.failed_probes, PROBE_BACKOFF_DOUBLINGS)
 
     def observe_round(
         self,
@@ -360,6 +372,10 @@ class SpeculationController:
         for _, _, index, _, level in increments[:best_prefix]:
             lengths[index] = max(lengths[index], level)
         for index, candidate in enumerate(candidates):  # a probe: the estimate of a request that stopped drafting
-            if not lengths[index] and candidate.max_length and candidate.tracker.idle_rounds >= self.probe_every:
+            if (
+                not lengths[index]
+                and candidate.max_length
+                and candidate.tracker.idle_rounds >= self.probe_wait(candidate.tracker)
+            ):
                 lengths[index] = 1  # (and the population prior new requests start from) can only move on evidence
         return lengths

@@ -183,15 +183,28 @@ def test_a_bad_start_does_not_stop_speculation_for_good() -> None:
     assert sum(abs(length - 5) <= 1 for length in chosen[-100:]) >= 80
 
 
-def test_an_idle_request_probes_one_level() -> None:
+def test_an_idle_request_probes_one_level_and_waits_twice_as_long_after_each_probe_that_fails() -> None:
     controller = controller_with(lambda n: 10.0 * n, max_length=4)  # every position costs a forward: never pays
     tracker = fixed_tracker(0.9, 4)
     lengths = []
-    for _ in range(40):
+    for _ in range(400):
         [length] = controller.choose([Candidate(tracker, 4)])
         controller.observe_verdict(tracker, length, 0)
         lengths.append(length)
-    assert lengths == ([0] * 16 + [1]) * 2 + [0] * 6
+    probes = [index for index, length in enumerate(lengths) if length]
+    assert all(lengths[index] == 1 for index in probes)
+    assert probes == [16, 16 + 1 + 32, 16 + 1 + 32 + 1 + 64, 16 + 1 + 32 + 1 + 64 + 1 + 128, 16 + 4 + 32 + 64 + 128 * 2]
+
+
+def test_a_probe_that_accepts_resets_the_wait() -> None:
+    controller = controller_with(lambda n: 10.0 * n, max_length=4)
+    tracker = fixed_tracker(0.9, 4)
+    lengths = []
+    for round_index in range(100):
+        [length] = controller.choose([Candidate(tracker, 4)])
+        controller.observe_verdict(tracker, length, 1 if round_index == 49 else 0)  # the second probe accepts
+        lengths.append(length)
+    assert [index for index, length in enumerate(lengths) if length] == [16, 49, 66, 66 + 1 + 32]
 
 
 def test_a_drafting_round_adds_what_its_drafter_call_measured_to_the_fixed_cost_of_every_round() -> None:
