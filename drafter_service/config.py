@@ -39,7 +39,8 @@ class DrafterConfig:
     (0: never) is the lease of an open sequence: one that no call (or Touch) has named for that long is closed, so a
     router that died leaks nothing. Every message is bounded before anything is allocated: a sequence's shape at most
     ``max_proposal_nodes`` nodes, its text (prompt + committed) at most ``max_seq_len`` tokens, a Batch at most
-    ``max_batch_calls`` calls.
+    ``max_batch_calls`` calls. ``eagle_context`` (default 640, the span ``specdec distill`` trains a head on) is how
+    many head positions an eagle drafter attends over, and so how many of a prompt's feature rows it is sent.
     """
 
     kind: str
@@ -66,6 +67,7 @@ class DrafterConfig:
     max_proposal_nodes: int = MAX_PROPOSAL_NODES
     max_batch_calls: int = 1024
     max_seq_len: int = 32768
+    eagle_context: int | None = None  # None: the head's default (HEAD_CONTEXT)
 
     def __post_init__(self) -> None:
         if not 0 <= self.arrival_wait <= 1:
@@ -90,6 +92,8 @@ class DrafterConfig:
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.eagle_context is not None and self.eagle_context < 1:
+            raise InvalidArgumentError("eagle_context", f"must be >= 1, got {self.eagle_context}")
         for name in ("batch_wait_ms", "torch_threads", "grace_s", "sequence_idle_timeout_s"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(name, f"must be >= 0, got {getattr(self, name)}")
@@ -156,6 +160,7 @@ class DrafterConfig:
         option("max_proposal_nodes", int, "most nodes of a sequence's candidate shape")
         option("max_batch_calls", int, "most calls in one Batch")
         option("max_seq_len", int, "most tokens of a sequence's text (prompt + committed)")
+        option("eagle_context", int, "head positions an eagle drafter attends over (default 640, its training span)")
         add_tls_arguments(parser, ENV_PREFIX, environ)
         values = vars(parser.parse_args(argv))
         tls = tls_from_args(values)

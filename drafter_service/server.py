@@ -16,6 +16,7 @@ from drafter_service.scheduler import DraftScheduler
 from drafter_service.servicer import DrafterServicer
 from grpc_common.server import RunningService, start_service
 from specdec.drafters import SHAPE_ONLY_KINDS, Drafter, build_drafter, build_shape_drafter, default_early_exit_layers
+from specdec.drafters.eagle_head import HEAD_CONTEXT
 from specdec.models import LoadedModel, load_model, load_shape
 
 LOG = logging.getLogger(__name__)
@@ -37,10 +38,17 @@ def build_core_drafter(
     (None: the head cached for the target).
     """
     dtype = getattr(torch, config.dtype)
+    context = config.eagle_context or HEAD_CONTEXT
     if target is None and config.kind in SHAPE_ONLY_KINDS:  # the target's sizes, never its weights
         shape = load_shape(config.target)
         drafter = build_shape_drafter(
-            config.kind, shape, config.draft_config(), draft_model=config.draft_model, dtype=dtype, device=config.device
+            config.kind,
+            shape,
+            config.draft_config(),
+            draft_model=config.draft_model,
+            dtype=dtype,
+            device=config.device,
+            eagle_context=context,
         )
         assert drafter is not None, "a drafter service has a kind"
         return drafter
@@ -55,6 +63,7 @@ def build_core_drafter(
         config.draft_config(),
         draft_model=config.draft_model if config.kind == "eagle" else draft,
         early_exit_layers=config.early_exit_layers,
+        eagle_context=context,
     )
     if owned and config.kind == "early-exit":
         keep = config.early_exit_layers or default_early_exit_layers(target)

@@ -78,6 +78,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.default_shape = default_shape
         self.feature_width = scheduler.drafter.feature_width
         self.feature_layers = scheduler.drafter.feature_layers
+        self.feature_context = scheduler.drafter.feature_context
         self.max_proposal_nodes = max_proposal_nodes
         self.max_batch_calls = max_batch_calls
         self.max_seq_len = max_seq_len
@@ -182,6 +183,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 cancelled_proposals=status.cancelled,
                 feature_layers=self.feature_layers,
                 batch_stream=True,
+                feature_context=self.feature_context,
             )
 
         return Submitted(self.scheduler.status(), reply).answer(context)

@@ -184,14 +184,20 @@ class BatchTypes:
 
 
 def stream_batches(
-    requests: Iterator[Any], start: Callable[[Any], StartedBatch], types: BatchTypes, context: grpc.ServicerContext
+    requests: Iterator[Any],
+    start: Callable[[Any], StartedBatch],
+    types: BatchTypes,
+    context: grpc.ServicerContext,
+    max_message_bytes: int | None = None,
 ) -> Iterator[Message]:
     """The replies of a ``BatchStream``: every request is started (``start``) as soon as it arrives, on a reader
     thread of the stream's own, and answered (on the thread that writes the replies) once all its jobs are done, so
     a slow batch never holds back a later one: a drafter must see a Commit that cancels a pre-draft while that
     pre-draft is queued. ``start`` raising fails every call of that batch alone. The batches finished by the time a
     message goes out travel together in it: one forward finishes the batches of many router ticks, and the router
-    then resumes all their sequences in one tick.
+    then resumes all their sequences in one tick. With ``max_message_bytes``, replies that would together outgrow it
+    go in several messages (a verdict carrying a prompt's feature rows can be megabytes; a message over the bound
+    fails the stream and every batch on it); one reply over it alone still goes, and fails alone.
     A request's ``cancel_batch_ids`` drop the jobs not yet started of those earlier batches (the caller gave up on
     them); one with no calls is no batch. When the stream ends, unanswered batches are still answered; when the RPC
     ends first, jobs not started are dropped."""
@@ -264,8 +270,29 @@ def stream_batches(
                 unanswered.pop(request.batch_id, None)
             replies.append(types.reply(results=batch.results(types.result), batch_id=request.batch_id))
         answered += len(replies)
-        if replies:
-            yield types.replies(replies=replies)
+        for group in message_groups(replies, max_message_bytes):
+            yield types.replies(replies=group)
+
+
+def message_groups(replies: list[Message], max_message_bytes: int | None) -> list[list[Message]]:
+    """``replies`` in order, in groups that each make a message of at most ``max_message_bytes`` (None: one group);
+    a reply over it alone is a group of its own. No group is empty."""
+    if max_message_bytes is None:
+        return [replies] if replies else []
+    groups: list[list[Message]] = []
+    size = 0
+    for reply in replies:
+        grown = size + reply.ByteSize() + _REPLY_FRAMING_BYTES
+        if groups and grown <= max_message_bytes:
+            groups[-1].append(reply)
+            size = grown
+        else:
+            groups.append([reply])
+            size = reply.ByteSize() + _REPLY_FRAMING_BYTES
+    return groups
+
+
+_REPLY_FRAMING_BYTES = 16  # a repeated message field's tag and length, with room to spare
 
 
 def _error_of(error: BaseException, unavailable: tuple[type[BaseException], ...]) -> common_pb2.CallError:

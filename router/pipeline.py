@@ -95,6 +95,7 @@ class SequenceSpec:
     features: bool = False  # the verifier returns the target's feature rows with every verdict
     top_logprobs: int = 0  # with logprobs: alternatives per emitted token
     feature_layers: tuple[int, ...] = ()  # the target layers of those rows (empty: the final norm's output)
+    feature_context: int = 0  # rows of at most this many last positions per verdict (0: all)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class DrafterClient(Protocol):
     address: str
     feature_width: int
     feature_layers: tuple[int, ...]  # the target layers of those rows (empty: the final norm's output)
+    feature_context: int  # it reads the rows of only that many latest positions (0: all)
     kind: str | None  # ngram, model, early-exit or eagle (None: not known)
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None: ...
@@ -389,7 +391,8 @@ class Session:
 
     # --- opening and closing ------------------------------------------------------------------------------
 
-    def _spec(self, features: bool = False, feature_layers: tuple[int, ...] = ()) -> SequenceSpec:
+    def _spec(self, feature_drafter: DrafterClient | None = None) -> SequenceSpec:
+        """The sequence as a worker opens it; ``feature_drafter``: the verifier sends that drafter's feature rows."""
         plan = self.plan
         prompt = plan.prompt_ids + tuple(self.generated)
         return SequenceSpec(
@@ -399,9 +402,10 @@ class Session:
             plan.ignore_eos,
             plan.logprobs,
             plan.shape,
-            features,
+            feature_drafter is not None,
             plan.top_logprobs,
-            feature_layers,
+            feature_drafter.feature_layers if feature_drafter is not None else (),
+            feature_drafter.feature_context if feature_drafter is not None else 0,
         )
 
     async def _open(self) -> None:
@@ -417,7 +421,7 @@ class Session:
         """Try verifiers (least loaded first) until one opens, sending ``drafter``'s feature rows when it drafts from
         them; a refusal of the arguments fails at once."""
         features = _takes_features(drafter)
-        spec, last_error = self._spec(features, drafter.feature_layers if features else ()), None
+        spec, last_error = self._spec(drafter if features else None), None
         while (verifier := self.placement.acquire_verifier(self._failed_verifiers)) is not None:
             try:
                 await verifier.open(self.sequence_id, spec, derive_seed(self.plan.seed, "verifier", self._attempt))

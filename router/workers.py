@@ -31,7 +31,7 @@ from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_
 from grpc_common.convert import proposal_nodes, sampling_to_wire, top_logprobs_from_wire, tree_from_wire
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from grpc_common.tls import aio_channel
-from router.batching import CallBatcher
+from router.batching import MAX_NODES_PER_BATCH, CallBatcher
 from router.calls import BatchTransport, Worker, call_failure
 from router.config import RouterConfig
 from router.errors import WorkerError, WorkerRejectedError, WorkerUnavailableError
@@ -50,7 +50,7 @@ class WorkerClient:
 
     ``batch_method`` is the stub's ``Batch`` and ``batch_request`` its request type (``calls=[...]``); a call is a
     ``call_type`` (``DrafterCall`` / ``VerifierCall``) and its result the matching ``*Result``; ``weight`` is what
-    the worker bounds per Batch besides calls (a verifier's proposal nodes).
+    a Batch holds at most ``max_weight`` of besides calls (a verifier's proposal nodes, a drafter's feature rows).
     """
 
     def __init__(
@@ -59,12 +59,15 @@ class WorkerClient:
         transport: BatchTransport,
         call_type: Callable[..., Any],
         weight: Callable[[Any], int] | None = None,
+        max_weight: int = MAX_NODES_PER_BATCH,
     ) -> None:
         self.worker = worker
         self.address = worker.address
         self.transport = transport
         self._call_type = call_type
-        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, transport.send, weight=weight)
+        self.batcher: CallBatcher[Any, Any] = CallBatcher(
+            worker.address, transport.send, weight=weight, max_weight=max_weight
+        )
         self.open_sequences: set[str] = set()  # opened (or being opened) here and not yet closed: leases to renew
         self.status_known = False  # what the worker's Status tells (kind, batch stream) has been learnt
 
@@ -98,7 +101,7 @@ class GrpcDrafter(WorkerClient):
     def __init__(self, worker: Worker, streams: bool = True) -> None:
         stub = drafter_pb2_grpc.DrafterStub(worker.channel)
         transport = BatchTransport(worker, stub.BatchStream, stub.Batch, drafter_pb2.DrafterBatchRequest, streams)
-        super().__init__(worker, transport, drafter_pb2.DrafterCall)
+        super().__init__(worker, transport, drafter_pb2.DrafterCall, _feature_kilobytes, FEATURE_KILOBYTES_PER_BATCH)
 
     @property
     def feature_width(self) -> int:
@@ -107,6 +110,10 @@ class GrpcDrafter(WorkerClient):
     @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.worker.feature_layers
+
+    @property
+    def feature_context(self) -> int:
+        return self.worker.feature_context
 
     @property
     def kind(self) -> str | None:
@@ -119,6 +126,7 @@ class GrpcDrafter(WorkerClient):
         worker = self.worker
         worker.kind, worker.feature_width = status.kind or None, status.feature_width
         worker.feature_layers, worker.batch_stream = tuple(status.feature_layers), status.batch_stream
+        worker.feature_context = status.feature_context
         self.status_known = True
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
@@ -243,6 +251,7 @@ class GrpcVerifier(WorkerClient):
             feature_dtype=FEATURE_DTYPE,
             top_logprobs=spec.top_logprobs,
             feature_layers=spec.feature_layers,
+            feature_context=spec.feature_context,
         )
         self.open_sequences.add(sequence_id)
         await self._call("open", verifier_pb2.VerifierCall(open=request))
@@ -279,6 +288,16 @@ class GrpcVerifier(WorkerClient):
         self.open_sequences.discard(sequence_id)
         request = verifier_pb2.CloseVerifyRequest(sequence_id=sequence_id)
         await self._call("close", verifier_pb2.VerifierCall(close=request))
+
+
+# Feature rows one Batch to a drafter carries at most: half a message, so that the calls beside them fit too (a
+# long prompt's rows are megabytes: 641 rows of SmolLM2's three layers are 2.2 MB, of an 8B target's 15.8 MB).
+FEATURE_KILOBYTES_PER_BATCH = DEFAULT_MAX_MESSAGE_BYTES // 2 // 1024
+
+
+def _feature_kilobytes(call: drafter_pb2.DrafterCall) -> int:
+    """The feature rows ``call`` carries, in kB (a Commit relaying a verdict's rows; every other call: 0)."""
+    return len(call.commit.features.data) // 1024 if call.HasField("commit") else 0
 
 
 def _proposal_nodes(call: verifier_pb2.VerifierCall) -> int:

@@ -105,6 +105,7 @@ class Engine:
 
     def _open(self, request: GenerationRequest) -> _Sequence:
         sequence_id = str(next(self._ids))
+        takes_features = self.drafter is not None and self.drafter.feature_width > 0
         self._verifier.open(
             sequence_id,
             request.prompt_ids,
@@ -114,9 +115,10 @@ class Engine:
             self.eos_token_ids,
             ignore_eos=request.ignore_eos,
             logprobs=request.logprobs,
-            features=self.drafter is not None and self.drafter.feature_width > 0,
+            features=takes_features,
             top_logprobs=request.top_logprobs,
             feature_layers=(self.drafter.feature_layers or None) if self.drafter is not None else None,
+            feature_context=self.drafter.feature_context if takes_features else 0,
         )
         tracker = self.controller.tracker() if self.controller is not None else None
         sequence = _Sequence(request, sequence_id, None, tracker=tracker)

@@ -127,7 +127,8 @@ class VerifyOutcome:
     target's feature rows (:meth:`~specdec.runner.KVRunner.forward_features`) of the positions
     ``feature_start .. feature_start + R - 1`` that got KV since the last outcome: prompt chunks, the pending
     token, the accepted nodes. After every outcome the rows sent cover every position with KV: all committed text
-    but its last token (or all of it, when the bonus was deferred).
+    but its last token (or all of it, when the bonus was deferred), or, with a ``feature_context``, at least its
+    last ``feature_context`` positions (an outcome then starts past where the last one ended).
     """
 
     verdict: Verdict
@@ -164,6 +165,7 @@ class _Sequence:
     feature_layers: tuple[int, ...] = ()  # the runner's feature layers of each row; empty: no features
     unsent_features: list[torch.Tensor] = field(default_factory=list)  # rows with KV not yet in an outcome
     features_sent: int = 0  # position of the next feature row an outcome carries
+    feature_context: int = 0  # an outcome carries the rows of at most this many last positions (0: all)
 
 
 @dataclass
@@ -238,12 +240,15 @@ class BatchVerifier:
         features: bool = False,
         top_logprobs: int = 0,
         feature_layers: Sequence[int] | None = None,
+        feature_context: int = 0,
     ) -> None:
         """Open a sequence; the prompt is prefilled with its first :meth:`verify` (or chunk by chunk before it).
 
         ``features``: every outcome carries the target's feature rows of the positions it gave KV (an EAGLE
         drafter drafts from them); ``feature_layers`` says which (:meth:`~specdec.runner.KVRunner.forward_features`;
-        default: the final norm's output). ``top_logprobs`` (with ``logprobs``): every outcome carries that many most
+        default: the final norm's output); ``feature_context`` > 0 keeps an outcome's rows to those of its last
+        ``feature_context`` positions (a drafter that reads no older ones: an EAGLE head's context).
+        ``top_logprobs`` (with ``logprobs``): every outcome carries that many most
         probable tokens of each emitted token's row.
 
         Raises InvalidArgumentError (bad or duplicate id, bad request fields) or CapacityError (``max_sequences``).
@@ -261,6 +266,8 @@ class BatchVerifier:
         if features and not 1 <= count <= MAX_FEATURE_LAYERS:
             raise InvalidArgumentError("feature_layers", f"must name 1 to {MAX_FEATURE_LAYERS} layers, got {count}")
         layers = resolve_feature_layers(feature_layers, self.runner.num_layers) if features else ()
+        if feature_context < 0:
+            raise InvalidArgumentError("feature_context", f"must be >= 0, got {feature_context}")
         if self.max_sequences is not None and len(self._sequences) >= self.max_sequences:
             raise CapacityError(f"{self.max_sequences} sequences are open; retry after some finish")
         self._sequences[sequence_id] = _Sequence(
@@ -273,6 +280,7 @@ class BatchVerifier:
             remaining=max_tokens,
             pending=[int(token) for token in prompt_ids],
             feature_layers=layers,
+            feature_context=feature_context,
         )
 
     def generator(self, sequence_id: str) -> torch.Generator:
@@ -477,7 +485,8 @@ def _take_features(sequence: _Sequence, hidden_size: int) -> dict[str, torch.Ten
     features = torch.cat(rows) if rows else torch.empty(0, hidden_size * len(sequence.feature_layers))
     start = sequence.features_sent
     sequence.features_sent += len(features)
-    return {"features": features, "feature_start": start}
+    dropped = max(len(features) - sequence.feature_context, 0) if sequence.feature_context else 0
+    return {"features": features[dropped:], "feature_start": start + dropped}
 
 
 def _feature_columns(captured: Sequence[int], wanted: Sequence[int], hidden_size: int) -> torch.Tensor | slice:

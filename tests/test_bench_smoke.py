@@ -206,3 +206,45 @@ def test_eagle_agreement_section_serves_what_training_learnt(tmp_path: Path, fea
     assert row["agreement"] > 0.8, row  # measured 0.90 (final-norm rows); training itself reported 0.91
     assert row["outside_draft_vocab"] == 0.0  # the head's vocabulary holds every token it was trained on
     assert "| positions | agreement as served |" in (tmp_path / "out" / "eagle.md").read_text()
+
+
+def test_eagle_context_bench_times_first_drafts_and_serves_long_prompts_exactly(tmp_path: Path) -> None:
+    """Both parts of ``bench.eagle_context`` on a tiny target: a first-draft time per (length, context), and the
+    long-prompt rows, whose greedy outputs equal target-only's; the report renders them."""
+    import torch
+
+    from bench.eagle import Prompt
+    from bench.eagle_context import UNBOUNDED, first_draft_rows, long_prompt_rows, markdown
+    from specdec.drafters.eagle_head import EagleHead
+    from tests.tiny_models import tiny_llama
+
+    target = tiny_llama(seed=3, vocab_size=16, num_layers=2)
+    head = EagleHead.from_target(target.model, torch.arange(16), feature_layers=(0, 1)).eval().requires_grad_(False)
+    timed = first_draft_rows(head, [8, 40], [4, UNBOUNDED], repeats=1)
+    assert sorted((row["prompt_tokens"], row["context"]) for row in timed) == [
+        (8, "last 4"),
+        (8, "whole text"),
+        (40, "last 4"),
+        (40, "whole text"),
+    ]
+    assert all(row["total_ms"] > 0 for row in timed)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [
+        Prompt(str(i), "long-context", torch.randint(0, 15, (60,), generator=generator).tolist()) for i in range(2)
+    ]
+    rows = long_prompt_rows(target, head, [4, UNBOUNDED], prompts, gamma=2, max_tokens=8)
+    assert [row["config"] for row in rows] == ["target-only", "last 4", "whole text"]
+    assert all(row["same_as_target_only"] == 2 and row["tokens"] == rows[0]["tokens"] for row in rows)
+    document = {
+        "meta": {"date": "now", "command": ["python", "-m", "bench.eagle_context"]},
+        "head": "tiny",
+        "threads": 1,
+        "first_draft": timed,
+        "long_prompts": rows,
+        "num_prompts": 2,
+        "num_draft_tokens": 2,
+        "prompt_tokens_min": 60,
+        "prompt_tokens_max": 60,
+    }
+    report = markdown(document)
+    assert "| 40 | last 4 |" in report and f"| last 4 | {rows[0]['tokens']} |" in report

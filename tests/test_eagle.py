@@ -111,6 +111,26 @@ def test_a_verifier_sequence_sends_the_feature_layers_it_was_opened_with(target:
             verifier.open("bad", TEXT, GREEDY, 0, 1, frozenset(), features=True, feature_layers=layers)
 
 
+def test_a_verifier_sequence_with_a_feature_context_sends_only_its_latest_rows(target: LoadedModel) -> None:
+    """The prefill's outcome carries the rows of its last ``feature_context`` positions, starting where they start;
+    a round's fewer rows go whole; an EAGLE drafter takes the run that starts past the rows it holds (none yet)."""
+    verifier = BatchVerifier(KVRunner(target.model))
+    verifier.open("s", TEXT, GREEDY, 0, 4, frozenset(), features=True, feature_context=5)
+    empty = Proposal(TokenTree.empty(), None)
+    (prefill,) = verifier.verify([VerifyCall("s", empty)])
+    assert prefill.feature_start == len(TEXT) - 5
+    torch.testing.assert_close(prefill.features, true_features(target, TEXT)[-5:])
+    (step,) = verifier.verify([VerifyCall("s", empty)])
+    assert (step.feature_start, len(step.features)) == (len(TEXT), 1)
+    drafter = EagleDrafter(random_head(target), DraftConfig(num_draft_tokens=2), context=4)
+    assert drafter.feature_context == 5
+    handle = drafter.open(TEXT, GREEDY, make_generator(0))
+    drafter.add_features(handle, prefill.feature_start, prefill.features)
+    assert len(drafter.propose([handle], [2])[0].tree) == 2
+    with pytest.raises(InvalidArgumentError, match=r"^feature_context: must be >= 0"):
+        verifier.open("bad", TEXT, GREEDY, 0, 1, frozenset(), features=True, feature_context=-1)
+
+
 def _pre_norm_output(target: LoadedModel, text: list[int]) -> torch.Tensor:
     """The last decoder layer's output before the final norm [1, T, hidden] (a hook: HF returns it normed)."""
     captured = []
@@ -172,6 +192,54 @@ def test_rows_of_a_verdict_on_another_leaf_than_the_assumed_one_are_kept(target:
     assert drafter.text(handle) == committed
     drafter.propose([handle], [8])
     drafter.add_features(handle, len(committed), torch.zeros(0, drafter.feature_width))  # continues: no error
+
+
+@pytest.mark.parametrize("context", [4, 64], ids=["window-4", "window-64"])
+def test_rounds_attend_over_the_last_context_head_positions_only(target: LoadedModel, context: int) -> None:
+    """Two texts that differ only before the last ``context`` head positions (tokens and feature rows) draft the
+    same q bit for bit, round after round (a pipelined assumption and its rollback, commits, a re-sent row): with a
+    window of 4 the rows before it are never read. A window longer than the text (64) reads them, so there the
+    drafts part."""
+    config = DraftConfig(num_draft_tokens=3, draft_top_k=0)
+    features = true_features(target, TEXT)
+    n = 9
+    old = n - 1 - 4  # rows before head position n - 4: tokens 0 .. old - 1, feature rows 0 .. old - 1
+    other_text = [(token + 5) % VOCAB for token in TEXT[:old]] + TEXT[old:]
+    other_features = torch.cat(
+        [torch.randn(old, features.shape[1], generator=torch.Generator().manual_seed(1)), features[old:]]
+    )
+    drafters, handles = [], []
+    for text, rows in ((TEXT, features), (other_text, other_features)):
+        drafter = EagleDrafter(random_head(target), config, context=context)
+        handle = drafter.open(text[:n], SAMPLED, make_generator(2))
+        drafter.add_features(handle, 0, rows[: n - 1])
+        drafters.append(drafter)
+        handles.append(handle)
+
+    def both(step: str) -> list[Proposal]:
+        out = []
+        for drafter, handle in zip(drafters, handles, strict=True):
+            if step == "propose":
+                out.append(drafter.propose([handle], [8])[0])
+            elif step == "assume":
+                drafter.assume_accepted(handle)
+            elif step == "commit":  # one token accepted, then the target's correction: TEXT's next two
+                drafter.add_features(handle, n - 1, features[n - 1 : n + 1])
+                drafter.sync(handle, n, TEXT[n : n + 2])
+            elif step == "resend":  # a verifier re-placed: every row again, from 0 (the other text's own)
+                rows = features if drafter is drafters[0] else other_features
+                drafter.add_features(handle, 0, rows[: n + 1])
+        return out
+
+    rounds = [both("propose")]
+    both("assume")
+    rounds.append(both("propose"))  # a pre-draft on the assumed path
+    both("commit")  # the verdict contradicts it: rolled back to the committed text
+    rounds.append(both("propose"))
+    both("resend")
+    rounds.append(both("propose"))
+    same = [torch.equal(a.draft_probs, b.draft_probs) and a.tree == b.tree for a, b in rounds]
+    assert same == ([True] * 4 if context == 4 else [False] * 4)
 
 
 def test_no_features_yet_proposes_nothing(target: LoadedModel) -> None:

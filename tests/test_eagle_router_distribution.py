@@ -33,6 +33,7 @@ from specdec.sampling import SamplingParams
 from tests.test_end_to_end_distribution import LENGTH, PROMPT, VOCAB, _outcome, assert_same_law, exact_law
 from tests.test_router_distribution import served_router
 from tests.tiny_models import tiny_llama
+from verifier_service.config import VerifierConfig
 
 SAMPLES = 1000
 MAX_TOKENS = LENGTH + 1
@@ -147,3 +148,31 @@ def check_law(address: str, target: LoadedModel, case: str, seed: int) -> None:
         assert sum(s.pipeline_hits for s in stats) > 0 and sum(s.pipeline_misses for s in stats) > 0
     counts = Counter(_outcome(result.token_ids, frozenset()) for result in results)
     assert_same_law(counts, exact_law(target, params, stop_at_eos=False))
+
+
+def test_a_long_prompt_sends_the_drafter_only_the_feature_rows_its_context_reads(
+    target: LoadedModel, tmp_path: Path
+) -> None:
+    """A prompt whose feature rows outgrow one message (here a verifier limited to 16 kB; on an 8B target's three
+    layers a 700-token prompt outgrows gRPC's 16 MB) is served, drafting from its first verdict on: the verifier
+    sends the rows of only the latest positions an eagle drafter's context reads (8 here, and 9 with the
+    deferred-bonus row). Before, the prefill verdict failed the request (RESOURCE_EXHAUSTED)."""
+    head = str(save_tiny_head(target, tmp_path, FUSED))
+    prompt = [(7 * index + 3) % (VOCAB - 1) for index in range(200)]  # 200 fused rows: 25.6 kB in bfloat16
+    with served_router(
+        target,
+        DrafterConfig(kind="eagle", target="tiny", draft_model=head, eagle_context=8),
+        verifier_config=VerifierConfig(max_message_bytes=16384),
+    ) as router:
+        result = Client(router.grpc_address, timeout_s=60).generate(
+            prompt_ids=prompt,
+            max_tokens=6,
+            temperature=0.0,
+            ignore_eos=True,
+            drafter="eagle",
+            speculation="sequential",
+            num_draft_tokens=2,
+        )
+    assert len(result.token_ids) == 6 and result.stats.draft_tokens > 0 and not result.stats.drafter_fallback
+    row = 2 * target.model.config.hidden_size * 2  # two layers, bfloat16
+    assert result.stats.feature_bytes <= row * (9 + result.stats.rounds * 3) + 64 * result.stats.rounds

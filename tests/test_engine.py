@@ -215,6 +215,10 @@ class SpyDrafter:
     def feature_layers(self) -> tuple[int, ...]:
         return self.inner.feature_layers
 
+    @property
+    def feature_context(self) -> int:
+        return self.inner.feature_context
+
     def open(self, prompt: list[int], params: SamplingParams, generator: torch.Generator) -> int:
         return self.inner.open(prompt, params, generator)
 

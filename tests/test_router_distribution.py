@@ -58,13 +58,16 @@ def served_router(
     *,
     max_model_len: int = 0,
     acceptance_rule: SampledRule = verify_batched,
+    verifier_config: VerifierConfig | None = None,
     **drafter_models: object,
 ) -> Iterator[RunningRouter]:
     """A verifier service (deciding sampled rounds by ``acceptance_rule``), one drafter service (``drafter_models``:
     its ``start_drafter`` models) and a router on loopback, all three with ``tls``; ``controller`` chooses the
-    router's auto draft lengths, ``max_model_len`` is its context limit (0 for the verifier's); yields the router and
-    stops all three."""
-    verifier = start_verifier(VerifierConfig(tls=tls), model=target, acceptance_rule=acceptance_rule)
+    router's auto draft lengths, ``max_model_len`` is its context limit (0 for the verifier's), ``verifier_config``
+    the verifier's settings (its ``tls`` is replaced by ``tls``); yields the router and stops all three."""
+    verifier = start_verifier(
+        replace(verifier_config or VerifierConfig(), tls=tls), model=target, acceptance_rule=acceptance_rule
+    )
     drafter = start_drafter(replace(drafter_config, tls=tls), target=target, **drafter_models)
     router = start_router(
         RouterConfig(

@@ -140,6 +140,7 @@ class FakeDrafter:
 
     feature_width = 0
     feature_layers = ()
+    feature_context = 0
     kind = None
 
     def __init__(

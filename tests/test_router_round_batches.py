@@ -79,6 +79,7 @@ class BatchedDrafter(BatchedWorker):
     worker: FakeDrafter
     feature_width = 0
     feature_layers = ()
+    feature_context = 0
     kind = None
 
     async def propose(

@@ -12,10 +12,10 @@ from concurrent.futures import Future
 
 import grpc
 import pytest
-from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from drafter_service.server import start_drafter
-from grpc_common.batch import StartedBatch, Submitted, stream_batches
+from grpc_common.batch import StartedBatch, Submitted, message_groups, stream_batches
 from grpc_common.convert import tree_from_wire
 from grpc_common.convert_rows import proposal_to_wire
 from router.batching import CallBatcher
@@ -292,3 +292,41 @@ def test_a_commit_carried_on_a_propose_is_one_message_with_the_same_effect() -> 
         running.stop(grace_s=0)
     assert carried == apart and batches == 1
     assert uncommitted != apart  # the commit changed what is drafted, so the equality above means something
+
+
+def test_replies_that_would_outgrow_a_message_go_in_several() -> None:
+    """Batches answered together travel in one message, unless their replies outgrow ``max_message_bytes``: then in
+    as many as keep each under it, in order; one reply alone over it still goes, alone."""
+    rows = [verifier_pb2.VerifyReply(features=common_pb2.FeatureRows(width=1, data=b"x" * n)) for n in (4000, 100)]
+    replies = [
+        verifier_pb2.VerifierBatchReply(results=[verifier_pb2.VerifierResult(verify=rows[i % 2])], batch_id=i)
+        for i in range(5)
+    ]  # 4 kB, 0.1 kB, 4 kB, 0.1 kB, 4 kB
+    assert message_groups(replies, None) == [replies]
+    groups = message_groups(replies, 9000)
+    assert [[reply.batch_id for reply in group] for group in groups] == [[0, 1, 2, 3], [4]]
+    assert all(verifier_pb2.VerifierBatchReplies(replies=group).ByteSize() <= 9000 for group in groups)
+    assert [[reply.batch_id for reply in group] for group in message_groups(replies, 1000)] == [[0], [1], [2], [3], [4]]
+    assert message_groups([], 9000) == []
+
+
+def test_commits_relaying_megabytes_of_feature_rows_go_in_batches_that_fit_a_message() -> None:
+    """Three Commits made in one tick go in one Batch, unless the feature rows they relay (a long prompt's) would
+    outgrow half a message: then in as many Batches as keep each within it."""
+    from router.workers import FEATURE_KILOBYTES_PER_BATCH
+
+    async def batches_for(row_bytes: int) -> int:
+        worker = Worker("drafter", "127.0.0.1:1", grpc.aio.insecure_channel("127.0.0.1:1"), TIMEOUT_S)
+        drafter = GrpcDrafter(worker)
+        rows = common_pb2.FeatureRows(width=1, data=b"\0" * row_bytes)
+        try:
+            commits = [drafter.commit(f"s{i}", 1, [2], features=rows) for i in range(3)]
+            outcomes = await asyncio.gather(*commits, return_exceptions=True)
+            assert all(isinstance(outcome, WorkerUnavailableError) for outcome in outcomes)  # nobody listens
+            return drafter.batcher.batches
+        finally:
+            await worker.channel.close()
+
+    large = FEATURE_KILOBYTES_PER_BATCH * 1024 * 2 // 3  # two of them are over the bound
+    assert asyncio.run(batches_for(1024)) == 1
+    assert asyncio.run(batches_for(large)) == 3

@@ -118,9 +118,11 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         features: torch.dtype | None = None,
         top_logprobs: int = 0,
         feature_layers: tuple[int, ...] | None = None,
+        feature_context: int = 0,
     ) -> Future:
         """:meth:`BatchVerifier.open` on the scheduler thread; -> None. ``features``: the dtype the sequence's feature
-        rows are handed over in (None: it takes none), ``feature_layers`` their layers (None: the final norm's)."""
+        rows are handed over in (None: it takes none), ``feature_layers`` their layers (None: the final norm's),
+        ``feature_context`` how many last positions' rows an outcome keeps (0: all)."""
 
         def run() -> None:
             self.verifier.open(
@@ -135,6 +137,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
                 features=features is not None,
                 top_logprobs=top_logprobs,
                 feature_layers=feature_layers,
+                feature_context=feature_context,
             )
             if features is not None:
                 self._feature_dtypes[sequence_id] = features

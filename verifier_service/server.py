@@ -70,6 +70,7 @@ def serve(
         max_proposal_nodes=config.max_proposal_nodes,
         max_batch_calls=config.max_batch_calls,
         max_batch_nodes=config.max_batch_nodes,
+        max_message_bytes=config.max_message_bytes,
     )
     running = start_service(
         scheduler,

@@ -30,6 +30,7 @@ from grpc_common.batch import (
 )
 from grpc_common.convert import MAX_PROPOSAL_NODES, proposal_nodes, sampling_from_wire, top_logprobs_to_wire
 from grpc_common.convert_rows import feature_dtype_from_wire, features_to_wire, proposal_from_wire
+from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from specdec.errors import InvalidArgumentError
 from specdec.verification import VerifyCall, VerifyOutcome
 from verifier_service.scheduler import SchedulerStatus, SchedulerStoppedError, VerifyScheduler
@@ -55,6 +56,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         max_proposal_nodes: int = MAX_PROPOSAL_NODES,
         max_batch_calls: int = 1024,
         max_batch_nodes: int = 8192,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.scheduler = scheduler
         self.model_name = model_name
@@ -63,6 +65,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.max_proposal_nodes = max_proposal_nodes
         self.max_batch_calls = max_batch_calls
         self.max_batch_nodes = max_batch_nodes
+        self.max_message_bytes = max_message_bytes
 
     def OpenSequence(
         self, request: verifier_pb2.OpenVerifyRequest, context: grpc.ServicerContext
@@ -101,7 +104,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._check_batch(request)
             return StartedBatch.start(request.calls, self._submit, _UNAVAILABLE, self.scheduler.together)
 
-        return stream_batches(requests, start, VERIFIER_BATCH, context)
+        return stream_batches(requests, start, VERIFIER_BATCH, context, self.max_message_bytes)
 
     def _check_batch(self, request: verifier_pb2.VerifierBatchRequest) -> None:
         check_batch_size(request.calls, self.max_batch_calls)
@@ -128,6 +131,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             feature_dtype_from_wire(request.feature_dtype) if request.features else None,
             request.top_logprobs,
             tuple(request.feature_layers) or None,
+            request.feature_context,
         )
         return Submitted(future, lambda _: verifier_pb2.OpenVerifyReply())
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.distill.data import Example
-from specdec.drafters.eagle_head import EagleHead, scaled_attention
+from specdec.drafters.eagle_head import HEAD_CONTEXT, EagleHead, scaled_attention
 from specdec.errors import InvalidArgumentError
 from specdec.sampling import argmax
 
@@ -48,7 +48,7 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.0
     batch_tokens: int = 3072
-    max_length: int = 640
+    max_length: int = HEAD_CONTEXT
     unroll_steps: int = 3
     step_decay: float = 0.8
     feature_weight: float = 0.2

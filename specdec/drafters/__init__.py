@@ -14,6 +14,7 @@ from specdec.cache import default_head_dir
 from specdec.drafter_kinds import DRAFTER_KINDS, SHAPE_ONLY_KINDS, DrafterKind
 from specdec.drafters.base import DraftConfig, Drafter, Proposal, SequenceDrafter
 from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle_head import HEAD_CONTEXT
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import InvalidArgumentError, ModelNotFoundError
@@ -50,12 +51,14 @@ def build_drafter(
     draft_model: str | LoadedModel | None = None,
     early_exit_layers: int | None = None,
     head_dtype: torch.dtype | None = None,
+    eagle_context: int = HEAD_CONTEXT,
 ) -> Drafter | None:
     """The drafter of ``kind`` for ``target`` (``None`` for ``kind == "none"``).
 
     ``eagle`` loads the head in ``draft_model`` (a directory), or with none the head cached for the target
     (:func:`~specdec.cache.default_head_dir`, made by ``specdec distill``), on the target's device in
-    ``head_dtype`` (None: the target's dtype).
+    ``head_dtype`` (None: the target's dtype), attending over ``eagle_context`` head positions
+    (:class:`~specdec.drafters.eagle.EagleDrafter`).
     """
     if kind in SHAPE_ONLY_KINDS:
         if kind == "eagle" and isinstance(draft_model, LoadedModel):
@@ -67,6 +70,7 @@ def build_drafter(
             draft_model=draft_model if isinstance(draft_model, str) else None,
             dtype=head_dtype or target.model.dtype,
             device=target.model.device,
+            eagle_context=eagle_context,
         )
     if kind == "model":
         if draft_model is None:
@@ -91,6 +95,7 @@ def build_shape_drafter(
     draft_model: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    eagle_context: int = HEAD_CONTEXT,
 ) -> Drafter | None:
     """A drafter of one of :data:`SHAPE_ONLY_KINDS`, which run none of the target's weights, from the target's
     sizes alone (:func:`~specdec.models.load_shape`); ``eagle``: its head in ``dtype`` on ``device``."""
@@ -113,4 +118,5 @@ def build_shape_drafter(
         vocab_size=target.vocab_size,
         dtype=dtype,
         device=usable_device(device),
+        context=eagle_context,
     )

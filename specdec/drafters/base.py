@@ -202,6 +202,12 @@ class Drafter(Protocol):
         final norm's output, the default."""
         ...
 
+    @property
+    def feature_context(self) -> int:
+        """How many of the latest positions of its text the drafter reads feature rows of (0: all): older rows
+        need not be sent (an EAGLE head's context)."""
+        ...
+
     def add_features(self, handle: int, start: int, rows: torch.Tensor) -> None:
         """The target's feature rows [R, feature_width] of text positions ``start .. start + R - 1``, as the
         verifier's outcomes carry them (:class:`~specdec.verification.VerifyOutcome`); given before the
@@ -289,6 +295,10 @@ class SequenceDrafter(ABC, Generic[S]):
     @property
     def feature_layers(self) -> tuple[int, ...]:
         return ()
+
+    @property
+    def feature_context(self) -> int:
+        return 0
 
     def add_features(self, handle: int, start: int, rows: torch.Tensor) -> None:
         """Drafters that take no target features refuse them."""

@@ -55,6 +55,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from specdec.errors import IncompatibleDraftError, InvalidArgumentError, ModelNotFoundError
 
 SPECULATORS_MODEL_TYPE, FUSED_MODEL_TYPE = "eagle", "eagle3"
+# Head positions a head attends over: what ``specdec distill`` trains on (a response and most of its prompt) and what
+# drafting keeps of the committed text, so a long prompt costs the head no more than this to draft from.
+HEAD_CONTEXT = 640
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 # attend(layer index, query [B, heads, T, d], key [B, kv_heads, T, d], value) -> [B, heads, T, d]
