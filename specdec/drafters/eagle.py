@@ -264,10 +264,11 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         budget = min(budget, state.config.max_nodes)
         if length < 2 or levels == 0 or budget <= 0:
             return None
-        window_start = max(
-            length - 1 - self.context, state.features_from
-        )  # the window's first KV row (head position - 1)
+        # the window's first KV row (its head position - 1): the last `context`, of the positions with true rows
+        window_start = max(length - 1 - self.context, state.features_from)
         first = max(state.committed, window_start) + 1  # head position of the first pending row
+        if first >= length:  # no true row to draft from yet
+            return None
         tokens, features = [], []
         for position in range(first, length):  # head position i reads (t_i, F_(i-1))
             feature = self._feature(state, position - 1)
