@@ -30,7 +30,7 @@ import torch
 
 from bench.arguments import comma_ints
 from bench.eagle import GREEDY, Prompt, head_directory, measure, recording_engine
-from bench.load.report import run_metadata, write_report
+from bench.load.report import elide_option, run_metadata, write_report
 from specdec.distill.data import encode_chat
 from specdec.drafters import DraftConfig, EagleDrafter
 from specdec.drafters.eagle_head import HEAD_CONTEXT, EagleHead, eagle3_layers, load_head
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="eagle-context")
     parser.add_argument("--note", default="")
     args = parser.parse_args(argv)
+    recorded = argv if argv is not None else sys.argv[1:]
     torch.set_num_threads(args.threads)
     contexts = [context or UNBOUNDED for context in args.contexts]
     target = load_model(args.target)
@@ -192,7 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         head = EagleHead.from_target(target.model, torch.arange(8192), feature_layers=layers).eval()
     config = {key: str(value) for key, value in vars(args).items()}
     document: dict[str, Any] = {
-        "meta": run_metadata(args.name, ["python", "-m", "bench.eagle_context", *sys.argv[1:]], config),
+        "meta": run_metadata(
+            args.name, ["python", "-m", "bench.eagle_context", *elide_option(recorded, "--note")], config
+        ),
         "head": str(directory) if trained else "untrained (none cached), first-draft part only",
         "threads": args.threads,
         "note": args.note,
