@@ -8,9 +8,10 @@ its own result back. A session's calls to one worker keep their order: a later c
 batch lists its calls in queue order, which the worker keeps per sequence. Two batches of one tick travel
 concurrently, though, and a worker may run the second first; calls that must not be reordered (a Commit and the
 Propose that drafts from it) are queued as one group (:meth:`CallBatcher.submit_group`), which is never split.
-A batch also stays within the worker's bounds on one message: at most ``max_calls`` calls and, with a ``weight``
-(a verifier's proposal nodes), at most ``max_weight`` of it (a call heavier than that alone goes alone), since a
-worker refuses a Batch over its bound as a whole.
+A batch also stays within the worker's bounds on one message: at most ``max_calls`` calls and, for each of the
+``bounds`` (a verifier's proposal nodes, the kilobytes of feature rows a batch's calls or their answers carry), at
+most its limit of that weight (a group heavier than that alone goes alone), since a worker refuses a Batch over
+its bound as a whole and gRPC fails a message over its limit.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ MAX_CALLS_PER_BATCH = 512  # bounds one message (a proposal with q rows is ~100 
 MAX_NODES_PER_BATCH = 4096  # half a verifier's default --max-batch-nodes
 
 Send = Callable[[list[CallT]], Awaitable[Sequence[ResultT]]]
+Bound = tuple[Callable[[CallT], int], int]  # (a call's weight, the most a batch holds)
 
 
 class CallBatcher(Generic[CallT, ResultT]):
-    """Gathers the calls to one worker made in one loop tick into ``send`` calls of at most ``max_calls`` each (and at
-    most ``max_weight`` of ``weight(call)``, when given).
+    """Gathers the calls to one worker made in one loop tick into ``send`` calls of at most ``max_calls`` each (and,
+    for each ``(weight, limit)`` of ``bounds``, at most ``limit`` of ``weight(call)``).
 
     ``send(calls)`` makes the RPC and returns one result per call, in order, or raises a WorkerError that then
     fails every call of that batch. Create and use on the event loop that runs the sessions.
@@ -44,14 +46,12 @@ class CallBatcher(Generic[CallT, ResultT]):
         send: Send[CallT, ResultT],
         max_calls: int = MAX_CALLS_PER_BATCH,
         *,
-        weight: Callable[[CallT], int] | None = None,
-        max_weight: int = MAX_NODES_PER_BATCH,
+        bounds: Sequence[Bound[CallT]] = (),
     ) -> None:
         self.address = address
         self._send = send
         self.max_calls = max_calls
-        self._weight = weight
-        self.max_weight = max_weight
+        self.bounds = tuple(bounds)
         self._queued: list[list[tuple[CallT, asyncio.Future[ResultT]]]] = []  # groups, each sent in one batch
         self._flush_scheduled = False
         self._sending: set[asyncio.Task[Any]] = set()
@@ -78,14 +78,16 @@ class CallBatcher(Generic[CallT, ResultT]):
         self._flush_scheduled = False
         queued, self._queued = self._queued, []
         batch: list[tuple[CallT, asyncio.Future[ResultT]]] = []
-        total = 0
+        limits = [limit for _, limit in self.bounds]
+        totals = [0] * len(limits)
         for group in queued:
-            weight = 0 if self._weight is None else sum(self._weight(call) for call, _ in group)
-            if batch and (len(batch) + len(group) > self.max_calls or total + weight > self.max_weight):
+            weights = [sum(weight(call) for call, _ in group) for weight, _ in self.bounds]
+            over = any(t + w > limit for t, w, limit in zip(totals, weights, limits, strict=True))
+            if batch and (len(batch) + len(group) > self.max_calls or over):
                 self._start(batch)
-                batch, total = [], 0
+                batch, totals = [], [0] * len(limits)
             batch.extend(group)
-            total += weight
+            totals = [total + weight for total, weight in zip(totals, weights, strict=True)]
         if batch:
             self._start(batch)
 

@@ -96,6 +96,7 @@ class SequenceSpec:
     top_logprobs: int = 0  # with logprobs: alternatives per emitted token
     feature_layers: tuple[int, ...] = ()  # the target layers of those rows (empty: the final norm's output)
     feature_context: int = 0  # rows of at most this many last positions per verdict (0: all)
+    feature_width: int = 0  # values per row (the drafter's feature_width)
 
 
 @dataclass(frozen=True)
@@ -406,6 +407,7 @@ class Session:
             plan.top_logprobs,
             feature_drafter.feature_layers if feature_drafter is not None else (),
             feature_drafter.feature_context if feature_drafter is not None else 0,
+            feature_drafter.feature_width if feature_drafter is not None else 0,
         )
 
     async def _open(self) -> None:

@@ -31,7 +31,7 @@ from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_
 from grpc_common.convert import proposal_nodes, sampling_to_wire, top_logprobs_from_wire, tree_from_wire
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from grpc_common.tls import aio_channel
-from router.batching import MAX_NODES_PER_BATCH, CallBatcher
+from router.batching import MAX_NODES_PER_BATCH, Bound, CallBatcher
 from router.calls import BatchTransport, Worker, call_failure
 from router.config import RouterConfig
 from router.errors import WorkerError, WorkerRejectedError, WorkerUnavailableError
@@ -43,14 +43,21 @@ T = TypeVar("T")
 # What verifiers are asked to send feature rows in: bfloat16, float32's range in half the bytes. Raw layer rows
 # (EAGLE-3) carry massive activations (22 500 on SmolLM2's layer 14; more on larger targets) near float16's 65 504.
 FEATURE_DTYPE = common_pb2.FEATURE_DTYPE_BFLOAT16
+FEATURE_BYTES = 2  # per value, in FEATURE_DTYPE
+
+
+# Feature rows one Batch carries (to a drafter) or brings back (from a verifier) at most: half a message, so that
+# the rest fits too (a long prompt's rows are megabytes: 641 rows of SmolLM2's three layers are 2.2 MB, of an 8B
+# target's 15.8 MB).
+FEATURE_KILOBYTES_PER_BATCH = DEFAULT_MAX_MESSAGE_BYTES // 2 // 1024
 
 
 class WorkerClient:
     """A worker's client: its :class:`Worker` record and address, and the batcher its calls go through.
 
     ``batch_method`` is the stub's ``Batch`` and ``batch_request`` its request type (``calls=[...]``); a call is a
-    ``call_type`` (``DrafterCall`` / ``VerifierCall``) and its result the matching ``*Result``; ``weight`` is what
-    a Batch holds at most ``max_weight`` of besides calls (a verifier's proposal nodes, a drafter's feature rows).
+    ``call_type`` (``DrafterCall`` / ``VerifierCall``) and its result the matching ``*Result``; ``bounds`` are what
+    a Batch holds at most a limit of besides calls (:class:`~router.batching.CallBatcher`).
     """
 
     def __init__(
@@ -58,16 +65,13 @@ class WorkerClient:
         worker: Worker,
         transport: BatchTransport,
         call_type: Callable[..., Any],
-        weight: Callable[[Any], int] | None = None,
-        max_weight: int = MAX_NODES_PER_BATCH,
+        bounds: Sequence[Bound[Any]] = (),
     ) -> None:
         self.worker = worker
         self.address = worker.address
         self.transport = transport
         self._call_type = call_type
-        self.batcher: CallBatcher[Any, Any] = CallBatcher(
-            worker.address, transport.send, weight=weight, max_weight=max_weight
-        )
+        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, transport.send, bounds=bounds)
         self.open_sequences: set[str] = set()  # opened (or being opened) here and not yet closed: leases to renew
         self.status_known = False  # what the worker's Status tells (kind, batch stream) has been learnt
 
@@ -101,7 +105,9 @@ class GrpcDrafter(WorkerClient):
     def __init__(self, worker: Worker, streams: bool = True) -> None:
         stub = drafter_pb2_grpc.DrafterStub(worker.channel)
         transport = BatchTransport(worker, stub.BatchStream, stub.Batch, drafter_pb2.DrafterBatchRequest, streams)
-        super().__init__(worker, transport, drafter_pb2.DrafterCall, _feature_kilobytes, FEATURE_KILOBYTES_PER_BATCH)
+        super().__init__(
+            worker, transport, drafter_pb2.DrafterCall, [(_feature_kilobytes, FEATURE_KILOBYTES_PER_BATCH)]
+        )
 
     @property
     def feature_width(self) -> int:
@@ -224,7 +230,9 @@ class GrpcVerifier(WorkerClient):
     def __init__(self, worker: Worker, streams: bool = True) -> None:
         stub = verifier_pb2_grpc.VerifierStub(worker.channel)
         transport = BatchTransport(worker, stub.BatchStream, stub.Batch, verifier_pb2.VerifierBatchRequest, streams)
-        super().__init__(worker, transport, verifier_pb2.VerifierCall, _proposal_nodes)
+        self._rows_due_kilobytes: dict[str, int] = {}  # sequence -> feature rows its first verdict brings (a prompt's)
+        bounds = [(_proposal_nodes, MAX_NODES_PER_BATCH), (self._verdict_kilobytes, FEATURE_KILOBYTES_PER_BATCH)]
+        super().__init__(worker, transport, verifier_pb2.VerifierCall, bounds)
 
     async def learn_status(self, deadline_s: float) -> None:
         """Learn whether the verifier answers a batch stream; one whose Status fails is asked again at the next
@@ -254,6 +262,9 @@ class GrpcVerifier(WorkerClient):
             feature_context=spec.feature_context,
         )
         self.open_sequences.add(sequence_id)
+        if spec.features:  # the first verdict prefills the prompt: it brings the rows of that many positions
+            positions = min(len(spec.prompt_ids), spec.feature_context or len(spec.prompt_ids))
+            self._rows_due_kilobytes[sequence_id] = positions * spec.feature_width * FEATURE_BYTES // 1024
         await self._call("open", verifier_pb2.VerifierCall(open=request))
 
     async def verify(
@@ -264,7 +275,10 @@ class GrpcVerifier(WorkerClient):
         request = verifier_pb2.VerifyRequest(
             sequence_id=sequence_id, proposal=proposal, defer_bonus=defer_bonus, stop_features=stop_features
         )
-        reply = await self._call("verify", verifier_pb2.VerifierCall(verify=request))
+        try:
+            reply = await self._call("verify", verifier_pb2.VerifierCall(verify=request))
+        finally:
+            self._rows_due_kilobytes.pop(sequence_id, None)
         verdict = reply.verdict
         features = reply.features if reply.HasField("features") else None
         feature_bytes = features.ByteSize() if features is not None else 0
@@ -286,13 +300,13 @@ class GrpcVerifier(WorkerClient):
 
     async def close(self, sequence_id: str) -> None:
         self.open_sequences.discard(sequence_id)
+        self._rows_due_kilobytes.pop(sequence_id, None)
         request = verifier_pb2.CloseVerifyRequest(sequence_id=sequence_id)
         await self._call("close", verifier_pb2.VerifierCall(close=request))
 
-
-# Feature rows one Batch to a drafter carries at most: half a message, so that the calls beside them fit too (a
-# long prompt's rows are megabytes: 641 rows of SmolLM2's three layers are 2.2 MB, of an 8B target's 15.8 MB).
-FEATURE_KILOBYTES_PER_BATCH = DEFAULT_MAX_MESSAGE_BYTES // 2 // 1024
+    def _verdict_kilobytes(self, call: verifier_pb2.VerifierCall) -> int:
+        """The feature rows the answer to ``call`` will carry, in kB, where they are many: a prompt's."""
+        return self._rows_due_kilobytes.get(call.verify.sequence_id, 0) if call.HasField("verify") else 0
 
 
 def _feature_kilobytes(call: drafter_pb2.DrafterCall) -> int:

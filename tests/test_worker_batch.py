@@ -7,6 +7,7 @@ failure confined to its own call with the status its RPC would have had.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from concurrent.futures import Future
 
@@ -209,10 +210,27 @@ def test_call_batcher_keeps_each_batch_within_the_workers_bound_on_nodes() -> No
         return [call.upper() for call in calls]
 
     async def run() -> None:
-        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=3, weight=len, max_weight=5)
+        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=3, bounds=[(len, 5)])
         calls = ["aa", "bb", "c", "dddddd", "e", "f", "g", "h"]
         assert await asyncio.gather(*(batcher.submit(call) for call in calls)) == [call.upper() for call in calls]
         assert sent == [["aa", "bb", "c"], ["dddddd"], ["e", "f", "g"], ["h"]]
+
+    asyncio.run(run())
+
+
+def test_call_batcher_keeps_each_batch_within_every_bound() -> None:
+    """Two bounds (length at most 5, at most two "x"): a batch closes when the next call would break either."""
+    sent: list[list[str]] = []
+
+    async def send(calls: list[str]) -> list[str]:
+        sent.append(calls)
+        return calls
+
+    async def run() -> None:
+        bounds = [(len, 5), (lambda call: call.count("x"), 2)]
+        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=8, bounds=bounds)
+        await asyncio.gather(*(batcher.submit(call) for call in ["x", "ax", "x", "bb", "ccc", "d"]))
+        assert sent == [["x", "ax"], ["x", "bb"], ["ccc", "d"]]
 
     asyncio.run(run())
 
@@ -330,3 +348,46 @@ def test_commits_relaying_megabytes_of_feature_rows_go_in_batches_that_fit_a_mes
     large = FEATURE_KILOBYTES_PER_BATCH * 1024 * 2 // 3  # two of them are over the bound
     assert asyncio.run(batches_for(1024)) == 1
     assert asyncio.run(batches_for(large)) == 3
+
+
+def test_prefills_whose_verdicts_bring_megabytes_of_feature_rows_go_in_batches_that_fit_a_message() -> None:
+    """A verifier's first verdict for an eagle sequence brings its prompt's feature rows (those of at most the
+    drafter's feature_context positions): three such prefills in one tick go in as many Batches as keep the rows
+    they bring within half a message; without features, or once prefilled, they share one."""
+    from router.workers import FEATURE_KILOBYTES_PER_BATCH, GrpcVerifier
+
+    width = 3 * 576
+    positions = FEATURE_KILOBYTES_PER_BATCH * 1024 * 2 // 3 // (2 * width)  # two prefills are over the bound
+
+    async def batches_for(features: bool, prompt_length: int, context: int) -> tuple[int, int]:
+        worker = Worker("verifier", "127.0.0.1:1", grpc.aio.insecure_channel("127.0.0.1:1"), TIMEOUT_S)
+        verifier = GrpcVerifier(worker)
+        spec = SequenceSpec(
+            (1,) * prompt_length,
+            SamplingParams(),
+            8,
+            False,
+            False,
+            DraftShape(3),
+            features=features,
+            feature_context=context,
+            feature_width=width if features else 0,
+        )
+        try:
+            for index in range(3):
+                with contextlib.suppress(WorkerUnavailableError):  # nobody listens: the open fails, the sequence stays
+                    await verifier.open(f"s{index}", spec, seed=0)
+            before = verifier.batcher.batches
+            first = [verifier.verify(f"s{i}", None, defer_bonus=False) for i in range(3)]
+            await asyncio.gather(*first, return_exceptions=True)
+            prefills = verifier.batcher.batches - before
+            later = [verifier.verify(f"s{i}", None, defer_bonus=False) for i in range(3)]
+            await asyncio.gather(*later, return_exceptions=True)
+            return prefills, verifier.batcher.batches - before - prefills
+        finally:
+            await worker.channel.close()
+
+    assert asyncio.run(batches_for(True, positions, 0)) == (3, 1)
+    assert asyncio.run(batches_for(True, 10 * positions, positions)) == (3, 1)  # the context, not the prompt, counts
+    assert asyncio.run(batches_for(True, 10 * positions, positions // 4)) == (1, 1)
+    assert asyncio.run(batches_for(False, positions, 0)) == (1, 1)
