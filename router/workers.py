@@ -247,6 +247,7 @@ class GrpcVerifier(WorkerClient):
         self.status_known = True
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
+        context = _feature_context(spec)
         request = verifier_pb2.OpenVerifyRequest(
             sequence_id=sequence_id,
             prompt_ids=spec.prompt_ids,
@@ -259,11 +260,11 @@ class GrpcVerifier(WorkerClient):
             feature_dtype=FEATURE_DTYPE,
             top_logprobs=spec.top_logprobs,
             feature_layers=spec.feature_layers,
-            feature_context=spec.feature_context,
+            feature_context=context,
         )
         self.open_sequences.add(sequence_id)
         if spec.features:  # the first verdict prefills the prompt: it brings the rows of that many positions
-            positions = min(len(spec.prompt_ids), spec.feature_context or len(spec.prompt_ids))
+            positions = min(len(spec.prompt_ids), context or len(spec.prompt_ids))
             self._rows_due_kilobytes[sequence_id] = positions * spec.feature_width * FEATURE_BYTES // 1024
         await self._call("open", verifier_pb2.VerifierCall(open=request))
 
@@ -307,6 +308,17 @@ class GrpcVerifier(WorkerClient):
     def _verdict_kilobytes(self, call: verifier_pb2.VerifierCall) -> int:
         """The feature rows the answer to ``call`` will carry, in kB, where they are many: a prompt's."""
         return self._rows_due_kilobytes.get(call.verify.sequence_id, 0) if call.HasField("verify") else 0
+
+
+def _feature_context(spec: SequenceSpec) -> int:
+    """The positions whose rows a verdict sends: the drafter's ``feature_context``, but never more than half a message
+    holds (0: all, when they always fit). Wide rows (an EAGLE-3 head of a 70B target: 49 kB a row) would otherwise make
+    a prefill's verdict too big to send at all; the drafter then drafts from fewer rows at first, still exactly."""
+    row_bytes = spec.feature_width * FEATURE_BYTES
+    if not spec.features or not row_bytes:
+        return spec.feature_context
+    fit = max(FEATURE_KILOBYTES_PER_BATCH * 1024 // row_bytes, 1)
+    return min(spec.feature_context or fit, fit)
 
 
 def _feature_kilobytes(call: drafter_pb2.DrafterCall) -> int:

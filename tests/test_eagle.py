@@ -248,7 +248,7 @@ def test_no_features_yet_proposes_nothing(target: LoadedModel) -> None:
     (proposal,) = drafter.propose([handle], [8])
     assert len(proposal.tree) == 0
     with pytest.raises(InvalidArgumentError, match="features"):
-        drafter.add_features(handle, 2, torch.zeros(1, drafter.feature_width))  # a gap: rows 0, 1 missing
+        drafter.add_features(handle, 5, torch.zeros(1, drafter.feature_width))  # a gap up to the text's end
 
 
 @pytest.mark.parametrize("feature_layers", [(), FUSED], ids=["final-norm", "fused"])

@@ -177,20 +177,21 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     def add_features(self, handle: int, start: int, rows: torch.Tensor) -> None:
         """Store true features [R, feature_width] of positions ``start ..`` (as the head's input features,
         :meth:`~specdec.drafters.eagle_head.EagleHead.project`); they must continue (or overlap) what the sequence
-        holds, or start a new run no later than the last :attr:`feature_context` positions (a verifier sends no
-        older rows; the ones held before the gap are dropped). They may run past the text by what one round
-        commits: the rows of accepted nodes come before the commit that appends them."""
+        holds, or start a new run before the text's last token (a verifier sends the rows of the last
+        :attr:`feature_context` positions, or fewer where they would outgrow a message; the rows held before the gap
+        are dropped, and until the window has slid past the gap a round attends over fewer positions). They may run
+        past the text by what one round commits: the rows of accepted nodes come before the commit that appends
+        them."""
         state = self._sequence(handle)
         if rows.ndim != 2 or rows.shape[1] != self.feature_width:
             raise InvalidArgumentError("features", f"need rows of width {self.feature_width}, got {tuple(rows.shape)}")
         end = start + len(rows)
         gap = start > state.num_features
-        ahead = gap and start > len(state.text) - self.context + 1  # a gap inside the context
-        if start < 0 or ahead or end > len(state.text) + state.config.max_nodes:
+        if start < 0 or (gap and start >= len(state.text)) or end > len(state.text) + state.config.max_nodes:
             raise InvalidArgumentError(
                 "features",
-                f"rows {start}..{end - 1} neither continue the {state.num_features} held nor start within the last "
-                f"{self.feature_context} positions, or run past a text of {len(state.text)} tokens by over one round",
+                f"rows {start}..{end - 1} neither continue the {state.num_features} held nor start before the last "
+                f"token of a text of {len(state.text)}, or run past it by more than one round",
             )
         # rows older than any window can reach are never read: the text shrinks by at most an assumed path
         kept = start + min(max(len(state.text) - self.context - 1 - state.config.max_nodes - start, 0), len(rows))
