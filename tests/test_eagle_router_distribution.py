@@ -150,6 +150,19 @@ def check_law(address: str, target: LoadedModel, case: str, seed: int) -> None:
     assert_same_law(counts, exact_law(target, params, stop_at_eos=False))
 
 
+def greedy_eagle_chain(address: str, prompt: list[int], max_tokens: int) -> GenerateResult:
+    """One greedy request drafting sequential chains of 2 with the eagle drafter, ignoring EOS."""
+    return Client(address, timeout_s=120).generate(
+        prompt_ids=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        drafter="eagle",
+        speculation="sequential",
+        num_draft_tokens=2,
+    )
+
+
 def test_a_long_prompt_sends_the_drafter_only_the_feature_rows_its_context_reads(
     target: LoadedModel, tmp_path: Path
 ) -> None:
@@ -164,15 +177,7 @@ def test_a_long_prompt_sends_the_drafter_only_the_feature_rows_its_context_reads
         DrafterConfig(kind="eagle", target="tiny", draft_model=head, eagle_context=8),
         verifier_config=VerifierConfig(max_message_bytes=16384),
     ) as router:
-        result = Client(router.grpc_address, timeout_s=60).generate(
-            prompt_ids=prompt,
-            max_tokens=6,
-            temperature=0.0,
-            ignore_eos=True,
-            drafter="eagle",
-            speculation="sequential",
-            num_draft_tokens=2,
-        )
+        result = greedy_eagle_chain(router.grpc_address, prompt, max_tokens=6)
     assert len(result.token_ids) == 6 and result.stats.draft_tokens > 0 and not result.stats.drafter_fallback
     row = 2 * target.model.config.hidden_size * 2  # two layers, bfloat16
     assert result.stats.feature_bytes <= row * (9 + result.stats.rounds * 3) + 64 * result.stats.rounds
@@ -184,37 +189,12 @@ def test_rows_too_wide_for_a_whole_context_in_one_message_are_capped_and_the_req
     """Rows of 8 kB (hidden 2048, two fused layers) and a drafter that reads 2 101 positions: a 2 100-token prompt's
     rows (17 MB) outgrow gRPC's 16 MiB, so the router asks the verifier for the rows of only the positions half a
     message holds (1 024); the drafter drafts from those. Before, the prefill verdict failed the request."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.tiny_models import _loaded
-
-    torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=2048,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=0,
-        eos_token_id=VOCAB - 1,
-        tie_word_embeddings=False,
-    )
-    wide = _loaded(LlamaForCausalLM(config), "wide")
+    wide = tiny_llama(seed=5, vocab_size=VOCAB, num_layers=2, hidden_size=2048, max_positions=4096)
     head = EagleHead.from_target(wide.model, torch.arange(VOCAB), feature_layers=FUSED)
-    save_head(head, tmp_path, HeadInfo(verifier="wide", num_draft_tokens=2))
+    save_head(head, tmp_path, HeadInfo(verifier=wide.name, num_draft_tokens=2))
     prompt = [(3 * index + 1) % (VOCAB - 1) for index in range(2100)]
-    drafter_config = DrafterConfig(kind="eagle", target="wide", draft_model=str(tmp_path), eagle_context=2100)
+    drafter_config = DrafterConfig(kind="eagle", target=wide.name, draft_model=str(tmp_path), eagle_context=2100)
     with served_router(wide, drafter_config) as router:
-        result = Client(router.grpc_address, timeout_s=120).generate(
-            prompt_ids=prompt,
-            max_tokens=4,
-            temperature=0.0,
-            ignore_eos=True,
-            drafter="eagle",
-            speculation="sequential",
-            num_draft_tokens=2,
-        )
+        result = greedy_eagle_chain(router.grpc_address, prompt, max_tokens=4)
     assert len(result.token_ids) == 4 and result.stats.draft_tokens > 0 and not result.stats.drafter_fallback
     assert result.stats.feature_bytes < 9 * 1024 * 1024  # 1 024 rows of the prefill, then a few per round

@@ -21,16 +21,18 @@ SMOLLM2 = "smollm2-135m"
 TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
 
 
-def tiny_config(vocab_size: int = 8, num_layers: int = 2) -> LlamaConfig:
-    """Hidden 32, 4 query heads over 2 KV heads (grouped-query attention), 256 positions."""
+def tiny_config(
+    vocab_size: int = 8, num_layers: int = 2, hidden_size: int = 32, max_positions: int = 256
+) -> LlamaConfig:
+    """Hidden 32 (default), 4 query heads over 2 KV heads (grouped-query attention), 256 positions (default)."""
     return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=32,
+        hidden_size=hidden_size,
         intermediate_size=64,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         initializer_range=0.3,  # large enough that next-token distributions are far from uniform
         bos_token_id=0,
         eos_token_id=vocab_size - 1,
@@ -45,10 +47,13 @@ def _loaded(model: LlamaForCausalLM, name: str) -> LoadedModel:
     return LoadedModel(model, None, name, model.config.vocab_size, eos)
 
 
-def tiny_llama(seed: int, vocab_size: int = 8, num_layers: int = 2) -> LoadedModel:
-    """A seeded random float32 Llama target."""
+def tiny_llama(
+    seed: int, vocab_size: int = 8, num_layers: int = 2, hidden_size: int = 32, max_positions: int = 256
+) -> LoadedModel:
+    """A seeded random float32 Llama target (:func:`tiny_config`)."""
     torch.manual_seed(seed)
-    return _loaded(LlamaForCausalLM(tiny_config(vocab_size, num_layers)), f"tiny-llama-{seed}")
+    config = tiny_config(vocab_size, num_layers, hidden_size, max_positions)
+    return _loaded(LlamaForCausalLM(config), f"tiny-llama-{seed}")
 
 
 def tiny_draft(target: LoadedModel, seed: int, num_layers: int | None = None, noise: float = 0.02) -> LoadedModel:
