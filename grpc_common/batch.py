@@ -274,25 +274,26 @@ def stream_batches(
             yield types.replies(replies=group)
 
 
+_REPLY_FRAMING_BYTES = 16  # a repeated message field's tag and length, with room to spare
+
+
 def message_groups(replies: list[Message], max_message_bytes: int | None) -> list[list[Message]]:
     """``replies`` in order, in groups that each make a message of at most ``max_message_bytes`` (None: one group);
-    a reply over it alone is a group of its own. No group is empty."""
-    if max_message_bytes is None:
+    a reply over it alone is a group of its own. No group is empty. A lone reply is never measured: it goes alone
+    whatever its size, and sizing a message costs about what serialising it does."""
+    if max_message_bytes is None or len(replies) <= 1:
         return [replies] if replies else []
     groups: list[list[Message]] = []
     size = 0
     for reply in replies:
-        grown = size + reply.ByteSize() + _REPLY_FRAMING_BYTES
-        if groups and grown <= max_message_bytes:
+        reply_size = reply.ByteSize() + _REPLY_FRAMING_BYTES
+        if groups and size + reply_size <= max_message_bytes:
             groups[-1].append(reply)
-            size = grown
+            size += reply_size
         else:
             groups.append([reply])
-            size = reply.ByteSize() + _REPLY_FRAMING_BYTES
+            size = reply_size
     return groups
-
-
-_REPLY_FRAMING_BYTES = 16  # a repeated message field's tag and length, with room to spare
 
 
 def _error_of(error: BaseException, unavailable: tuple[type[BaseException], ...]) -> common_pb2.CallError:
