@@ -278,7 +278,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
             tokens.append(state.text[position])
             features.append(feature)
         kv_end = first - 1
-        visible_from = kv_end if kv_end > state.committed else max(state.kv_floor, window_start, 0)
+        visible_from = kv_end if kv_end > state.committed else max(state.kv_floor, window_start)
         true_rows = max(0, min(length - 1, state.num_features) - kv_end)  # true features: a prefix
         empty = [torch.empty(self._kv_heads, 0, self._head_dim, **self._tensors) for _ in self.head.layers]
         draft = TreeDraft(state, budget, levels)
