@@ -14,7 +14,7 @@ Our own forward pass over the Hugging Face modules (gpt-fast / vLLM style), no H
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from specdec.attention_masks import attention_mask, packed_positions
 from specdec.errors import CapacityError, InvalidArgumentError
+from specdec.linear import Projection, can_pack
 from specdec.tree import ROOT, TokenTree
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -63,12 +64,30 @@ class _Slot:
 
 
 class _Layer(NamedTuple):
-    """Module references of one decoder layer, looked up once."""
+    """One decoder layer's modules and projections, looked up once."""
 
     attn: nn.Module
-    mlp: nn.Module
+    qkv: Projection  # x -> (query, key, value) rows
+    out: Projection
+    gate_up: Projection  # x -> (gate, up) rows of the MLP
+    down: Projection
+    act: Callable[[torch.Tensor], torch.Tensor]
     input_norm: tuple[torch.Tensor, float]  # RMSNorm (weight [hidden], eps)
     post_norm: tuple[torch.Tensor, float]
+
+
+def _layer(layer: nn.Module, pack: bool) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    return _Layer(
+        attn,
+        Projection([attn.q_proj, attn.k_proj, attn.v_proj], pack=pack),
+        Projection([attn.o_proj], pack=pack),
+        Projection([mlp.gate_proj, mlp.up_proj], pack=pack),
+        Projection([mlp.down_proj], pack=pack),
+        mlp.act_fn,
+        _norm(layer.input_layernorm),
+        _norm(layer.post_attention_layernorm),
+    )
 
 
 def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
@@ -99,10 +118,20 @@ def resolve_feature_layers(layers: Sequence[int] | None, num_layers: int) -> tup
 
 
 class KVRunner:
-    """Per-sequence KV caches and packed forwards over ``model`` (its first ``num_layers`` layers)."""
+    """Per-sequence KV caches and packed forwards over ``model`` (its first ``num_layers`` layers).
+
+    ``pack_weights`` (default: where it pays, float32 on CPU) runs the linear layers as prepacked oneDNN matrix
+    multiplies (:mod:`specdec.linear`): a copy of their weights, made here, so later changes to the model's
+    weights do not reach the runner.
+    """
 
     def __init__(
-        self, model: PreTrainedModel, *, num_layers: int | None = None, max_seq_len: int | None = None
+        self,
+        model: PreTrainedModel,
+        *,
+        num_layers: int | None = None,
+        max_seq_len: int | None = None,
+        pack_weights: bool | None = None,
     ) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -125,12 +154,15 @@ class KVRunner:
         if max_seq_len < 1:
             raise InvalidArgumentError("max_seq_len", f"must be >= 1, got {max_seq_len}")
         self.max_seq_len = max_seq_len
-        self._embed, self._norm, self._lm_head = decoder.embed_tokens, _norm(decoder.norm), model.lm_head
+        linears = [model.lm_head, *(m for layer in decoder.layers[:num_layers] for m in layer.modules())]
+        can = all(can_pack(module) for module in linears if isinstance(module, nn.Linear))
+        if pack_weights and not can:
+            raise InvalidArgumentError("pack_weights", "needs float32 CPU weights without hooks, and oneDNN")
+        self.packed_weights = can if pack_weights is None else pack_weights
+        self._embed, self._norm = decoder.embed_tokens, _norm(decoder.norm)
+        self._lm_head = Projection([model.lm_head], pack=self.packed_weights)
         self._rotary = decoder.rotary_emb
-        self._layers = tuple(
-            _Layer(layer.self_attn, layer.mlp, _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm))
-            for layer in decoder.layers[:num_layers]
-        )
+        self._layers = tuple(_layer(layer, self.packed_weights) for layer in decoder.layers[:num_layers])
         attn = self._layers[0].attn
         self._head_dim, self._scale = attn.head_dim, attn.scaling
         self._qk_norm = hasattr(attn, "q_norm")
@@ -224,8 +256,9 @@ class KVRunner:
         cos, sin = self._cos[pos].unsqueeze(1), self._signed_sin[pos].unsqueeze(1)  # [T, 1, head_dim]
         captured: dict[int, torch.Tensor] = {}  # feature layer -> its rows [T, hidden]
         for index, layer in enumerate(self._layers):
-            hidden = hidden + self._attention(index, layer.attn, _rms_norm(hidden, layer.input_norm), cos, sin, slots)
-            hidden = hidden + layer.mlp(_rms_norm(hidden, layer.post_norm))
+            hidden = hidden + self._attention(index, layer, _rms_norm(hidden, layer.input_norm), cos, sin, slots)
+            gate, up = layer.gate_up(_rms_norm(hidden, layer.post_norm))
+            hidden = hidden + layer.down(layer.act(gate) * up)[0]
             if index in features:
                 captured[index] = hidden.float()
         rows = [
@@ -233,7 +266,7 @@ class KVRunner:
             for slot, item in zip(slots, items, strict=True)
         ]
         selected = hidden[rows[0][0] : rows[0][1]] if len(rows) == 1 else torch.cat([hidden[a:b] for a, b in rows])
-        logits = self._lm_head(_rms_norm(selected, self._norm)).float()  # [rows, V]
+        logits = self._lm_head(_rms_norm(selected, self._norm))[0].float()  # [rows, V]
         for slot, item in zip(slots, items, strict=True):
             slot.state.scratch = (len(item.pending), item.tree)
         feature_rows: list[torch.Tensor] = []
@@ -324,7 +357,7 @@ class KVRunner:
     def _attention(
         self,
         index: int,
-        attn: nn.Module,
+        projections: _Layer,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -332,10 +365,9 @@ class KVRunner:
     ) -> torch.Tensor:
         """Self-attention of layer ``index`` over packed ``x`` [T, hidden]; returns [T, hidden]."""
         count = x.shape[0]
-        query = attn.q_proj(x).view(count, -1, self._head_dim)  # [T, heads, head_dim]
-        key = attn.k_proj(x).view(count, -1, self._head_dim)  # [T, kv_heads, head_dim]
-        value = attn.v_proj(x).view(count, -1, self._head_dim)
+        query, key, value = (rows.reshape(count, -1, self._head_dim) for rows in projections.qkv(x))
         if self._qk_norm:  # Qwen3: RMSNorm over each head
+            attn = projections.attn
             query, key = _rms_norm(query, _norm(attn.q_norm)), _rms_norm(key, _norm(attn.k_norm))
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
         kv_heads, head_dim = self._kv_heads, self._head_dim
@@ -356,7 +388,7 @@ class KVRunner:
             )
             outputs.append(out.view(kv_heads, -1, slot.size, head_dim).permute(2, 0, 1, 3))  # [size, kv, group, dim]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return attn.o_proj(out.reshape(count, -1))
+        return projections.out(out.reshape(count, -1))[0]
 
     def _reserve(self, state: _SeqState, size: int) -> None:
         """Make room for ``size`` positions, doubling; copies only the committed KV."""
