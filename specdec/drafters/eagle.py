@@ -48,6 +48,7 @@ from specdec.drafters.base import (
 from specdec.drafters.eagle_head import HEAD_CONTEXT, EagleHead, load_head, scaled_attention
 from specdec.drafters.model import SampledSequence, TreeDraft, draft_proposal, grow_level, mark_stopped
 from specdec.errors import InvalidArgumentError
+from specdec.linear import packed_for_inference
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
@@ -130,7 +131,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         super().__init__(config, head.vocab_size)
         if context < 1:
             raise InvalidArgumentError("context", f"must be >= 1, got {context}")
-        self.head = head
+        self.head = packed_for_inference(head)  # float32 on CPU: oneDNN over prepacked weights (specdec.linear)
         self.context = context
         self.max_seq_len = int(head.layer_config.max_position_embeddings)
         self._kv_heads = int(head.layer_config.num_key_value_heads)  # the head is never sharded
