@@ -13,7 +13,10 @@ are interleaved within each repeat; a cell is the median over ``--repeats`` of t
 beside its ratio to one position at the same batch size, dtype and threads: the tokens per round a draft of that
 length must commit to break even before its own cost. Writes ``NAME.json`` and ``NAME.md``.
 
-    python -m bench.forward_cost --dtypes float32,bfloat16 --threads 1,2 --result-dir bench/results
+``--kernels packed,plain`` times the runner's prepacked oneDNN matrix multiplies (the default for float32 on CPU,
+:mod:`specdec.linear`) beside torch's own, interleaved.
+
+    python -m bench.forward_cost --kernels packed,plain --threads 1,2 --result-dir bench/results
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch
 from bench.arguments import comma_ints, comma_names
 from bench.load.report import run_metadata, write_report
 from specdec.errors import InvalidArgumentError
+from specdec.linear import can_pack
 from specdec.models import load_model, quiet_model_loading
 from specdec.precision import check_dtype
 from specdec.runner import ForwardItem, KVRunner
@@ -43,7 +47,7 @@ def _synchronise(device: torch.device) -> None:
 
 
 def time_forwards(
-    runner: KVRunner,
+    runners: Mapping[str, KVRunner],
     device: torch.device,
     *,
     batch_size: int,
@@ -52,52 +56,64 @@ def time_forwards(
     number: int,
     repeats: int,
     seed: int,
-) -> dict[int, list[float]]:
-    """Milliseconds per forward (one mean of ``number`` forwards per repeat) by positions per sequence."""
+) -> dict[tuple[str, int], list[float]]:
+    """Milliseconds per forward (one mean of ``number`` forwards per repeat) by (runner, positions per sequence);
+    every runner sees the same tokens, and runners and position counts are interleaved within each repeat."""
     generator = torch.Generator().manual_seed(seed)
-    vocab = runner.vocab_size
-    sequences = [runner.open() for _ in range(batch_size)]
+    vocab = next(iter(runners.values())).vocab_size
+    prefix = torch.randint(vocab, (batch_size, context), generator=generator).tolist()
+    drafts = torch.randint(vocab, (batch_size, 1 + max(positions)), generator=generator).tolist()
+    sequences = {name: [runner.open() for _ in range(batch_size)] for name, runner in runners.items()}
     try:
-        prefix = torch.randint(vocab, (batch_size, context), generator=generator).tolist()
-        runner.forward([ForwardItem(seq, tokens) for seq, tokens in zip(sequences, prefix, strict=True)])
-        for seq in sequences:
-            runner.commit(seq, context)
-        drafts = torch.randint(vocab, (batch_size, 1 + max(positions)), generator=generator).tolist()
-        items = {
-            count: [
-                ForwardItem(seq, row[:1], TokenTree.chain(row[1:count]))
-                for seq, row in zip(sequences, drafts, strict=True)
-            ]
-            for count in positions
-        }
-        for batch in items.values():  # warm-up: buffers, rotary tables, the BLAS library's kernel choice
-            runner.forward(batch)
-        times: dict[int, list[float]] = {count: [] for count in positions}
+        items = {}
+        for name, runner in runners.items():
+            runner.forward([ForwardItem(seq, tokens) for seq, tokens in zip(sequences[name], prefix, strict=True)])
+            for seq in sequences[name]:
+                runner.commit(seq, context)
+            for count in positions:
+                items[name, count] = [
+                    ForwardItem(seq, row[:1], TokenTree.chain(row[1:count]))
+                    for seq, row in zip(sequences[name], drafts, strict=True)
+                ]
+        for (name, _), batch in items.items():  # warm-up: buffers, rotary tables, the BLAS library's kernel choice
+            runners[name].forward(batch)
+        times: dict[tuple[str, int], list[float]] = {key: [] for key in items}
         for _ in range(repeats):
-            for count, batch in items.items():
-                _synchronise(device)
-                start = time.perf_counter()
-                for _ in range(number):
-                    runner.forward(batch)
-                _synchronise(device)
-                times[count].append(1e3 * (time.perf_counter() - start) / number)
+            for count in positions:
+                for name, runner in runners.items():
+                    _synchronise(device)
+                    start = time.perf_counter()
+                    for _ in range(number):
+                        runner.forward(items[name, count])
+                    _synchronise(device)
+                    times[name, count].append(1e3 * (time.perf_counter() - start) / number)
         return times
     finally:
-        for seq in sequences:
-            runner.close(seq)
+        for name, runner in runners.items():
+            for seq in sequences[name]:
+                runner.close(seq)
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per (dtype, threads, batch size, positions)."""
+    """One row per (dtype, kernels, threads, batch size, positions); kernels the runner could not use are left
+    out (packed: float32 on CPU only)."""
     rows = []
     for dtype_name in args.dtypes:
         target = load_model(args.target, dtype=getattr(torch, dtype_name), device=args.device)
-        runner = KVRunner(target.model)
+        packable = can_pack(target.model.lm_head)
+        runners = {
+            kernels: KVRunner(target.model, pack_weights=kernels == "packed")
+            for kernels in args.kernels
+            if packable or kernels == "plain"
+        }
+        if not runners:
+            print(f"{dtype_name}: no kernels of {args.kernels} apply, skipped", file=sys.stderr, flush=True)
+            continue
         for threads in args.threads:
             torch.set_num_threads(threads)
             for batch_size in args.batch_sizes:
                 times = time_forwards(
-                    runner,
+                    runners,
                     target.model.device,
                     batch_size=batch_size,
                     positions=args.positions,
@@ -106,22 +122,25 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     repeats=args.repeats,
                     seed=args.seed,
                 )
-                one = statistics.median(times[min(times)])
-                for count, samples in times.items():
+                fewest = min(args.positions)
+                for (kernels, count), samples in times.items():
                     median = statistics.median(samples)
+                    plain = times.get(("plain", count))
                     rows.append(
                         {
                             "dtype": dtype_name,
+                            "kernels": kernels,
                             "threads": threads,
                             "batch_size": batch_size,
                             "positions": count,
                             "ms_median": median,
                             "ms_samples": samples,
-                            "ratio_to_fewest": median / one,
+                            "ratio_to_fewest": median / statistics.median(times[kernels, fewest]),
+                            "ratio_to_plain": None if plain is None else median / statistics.median(plain),
                         }
                     )
                 print(f"{dtype_name} threads {threads} batch {batch_size} done", file=sys.stderr, flush=True)
-        del runner, target
+        del runners, target
     return rows
 
 
@@ -141,19 +160,23 @@ def markdown(document: dict[str, Any]) -> str:
         "pending token and a chain of positions − 1 draft tokens per sequence; median over "
         f"{config['repeats']} interleaved repeats of the mean of {config['number']} forwards.",
         "",
-        "| dtype | threads | batch | positions | ms / forward (median) | × fewest positions | repeats (ms) |",
-        "|---|---|---|---|---|---|---|",
+        "| dtype | kernels | threads | batch | positions | ms / forward (median) | × fewest positions | × plain "
+        "| repeats (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in document["rows"]:
+    for row in sorted(document["rows"], key=lambda row: (row["dtype"], row["kernels"])):
         samples = " ".join(f"{value:.1f}" for value in row["ms_samples"])
+        to_plain = "–" if row["ratio_to_plain"] is None else f"{row['ratio_to_plain']:.2f}"
         lines.append(
-            f"| {row['dtype']} | {row['threads']} | {row['batch_size']} | {row['positions']} | "
-            f"{row['ms_median']:.1f} | {row['ratio_to_fewest']:.2f} | {samples} |"
+            f"| {row['dtype']} | {row['kernels']} | {row['threads']} | {row['batch_size']} | {row['positions']} | "
+            f"{row['ms_median']:.1f} | {row['ratio_to_fewest']:.2f} | {to_plain} | {samples} |"
         )
     lines += [
         "",
         "× fewest positions = r(γ) for γ = positions − 1: the tokens per round a draft of γ tokens must commit to "
-        "break even before its own drafting cost.",
+        "break even before its own drafting cost. Kernels: `packed`, the runner's oneDNN matrix multiplies over "
+        "weights prepacked once (`specdec/linear.py`, the default for float32 on CPU); `plain`, each linear layer "
+        "as torch runs it (MKL on CPU). × plain = packed ms / plain ms in the same cell.",
     ]
     if document["note"]:
         lines += ["", document["note"]]
@@ -166,6 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--dtypes", type=comma_names, default=["float32"], help="comma-separated, e.g. float32,bfloat16"
+    )
+    parser.add_argument(
+        "--kernels",
+        type=comma_names,
+        default=["packed"],
+        help="comma-separated: packed (oneDNN over prepacked weights; float32 on CPU), plain (torch's own)",
     )
     parser.add_argument("--threads", type=comma_ints, default=[1, 2], help="comma-separated torch thread counts")
     parser.add_argument("--batch-sizes", type=comma_ints, default=[1, 8], help="comma-separated sequences per forward")
@@ -183,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_model_loading()
     if not args.positions or min(args.positions) < 1:
         parser.error("--positions: give counts of at least 1")
+    if not args.kernels or set(args.kernels) - {"packed", "plain"}:
+        parser.error("--kernels: give packed, plain or both")
     try:
         for dtype in args.dtypes:
             check_dtype(dtype)
