@@ -4,8 +4,8 @@ oneDNN on CPU.
 Why: in float32 on CPU, torch's default BLAS (MKL) multiplies a few rows slowly and unevenly. On this project's
 2-core machine SmolLM2's 49 152-row LM head took 12 ms for one row, 25-38 ms for two or three and 20 ms for five,
 so verifying a draft cost up to 1.7x a plain decoding step. oneDNN over a weight reordered once into its blocked
-layout took 5 ms for one to nine rows alike, and each row's result is bit for bit the same whatever other rows
-share the call (MKL's is not), so a token's logits do not depend on how a forward was batched.
+layout took 4-5 ms for one to nine rows alike; there, each row's result was also bit for bit the same whatever
+other rows shared the call (MKL's was not).
 (``python -m bench.forward_cost --kernels packed,plain`` measures the whole forward.)
 
 Elsewhere (GPUs, other dtypes) the modules run as they are: no copy of their weights is made.
