@@ -11,9 +11,9 @@ load hits all alike). Sections (``--sections``, default all; ``budgets`` needs `
 * ``agreement``: the head's teacher-forced agreement as served, one draft at every position of the target's greedy
   answers, beside the held-out agreement its training reported, and split by whether the previous position agreed
   (:mod:`bench.eagle_agreement`): whether serving computes what training measured, and why ``acc@1`` is lower;
-* ``speed``: greedy: target-only, ngram γ=4, Hugging Face prompt lookup γ=4, every eagle shape and γ=4 with the
-  head's weights in bfloat16 (the target stays float32); then
-  target-only vs eagle γ=4 at temperature 0.7;
+* ``speed``: greedy: target-only (and target-only over torch's own matrix multiplies, unpacked), ngram γ=4,
+  Hugging Face prompt lookup γ=4, every eagle shape and γ=4 with the head's weights in bfloat16 (the target stays
+  float32); then target-only vs eagle γ=4 at temperature 0.7;
 * ``budgets``: each head of ``--budget-heads`` (e.g. ``specdec distill --snapshot-minutes`` copies) at γ = 4,
   greedy: training budget -> held-out mean accepted length.
 
@@ -297,13 +297,14 @@ def _speed_rows(results: list[ConfigResult], sampling: str) -> list[dict[str, An
 
 
 def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
-    """Greedy: target-only, ngram, HF prompt lookup, every eagle shape and γ=4 with a bfloat16 head; then target-only
-    vs eagle γ=4 at T=0.7."""
+    """Greedy: target-only (also over torch's own matrix multiplies: the runner packs float32 CPU weights for oneDNN,
+    :mod:`specdec.linear`), ngram, HF prompt lookup, every eagle shape and γ=4 with a bfloat16 head; then
+    target-only vs eagle γ=4 at T=0.7."""
     max_tokens = settings.max_tokens
     drafters = eagle_drafters(target, settings.draft_model)
 
-    def engine(drafter: Drafter | None) -> Engine:
-        return Engine(KVRunner(target.model), target.eos_token_ids, drafter)
+    def engine(drafter: Drafter | None, pack_weights: bool | None = None) -> Engine:
+        return Engine(KVRunner(target.model, pack_weights=pack_weights), target.eos_token_ids, drafter)
 
     ngram = build_drafter("ngram", target, DraftConfig(num_draft_tokens=4))
     bfloat16_head = build_drafter(
@@ -311,6 +312,7 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
     )
     greedy: dict[str, Generate] = {
         "target-only": engine_generator(engine(None), max_tokens),
+        "target-only, torch's own matmuls": engine_generator(engine(None, pack_weights=False), max_tokens),
         "ngram γ=4": engine_generator(engine(ngram), max_tokens),
         "hf-prompt-lookup γ=4": hf_generator(target, max_tokens, prompt_lookup_num_tokens=4),
         **{f"eagle {shape}": engine_generator(engine(drafter), max_tokens) for shape, drafter in drafters.items()},
