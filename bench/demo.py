@@ -39,7 +39,7 @@ UP_ARGS = [
     "--num-cpus", "2",
     "--verifier-arg=--torch-threads=1",
     "--drafter-arg=--torch-threads=1",
-    "--drafter-arg=--dtype=bfloat16",  # the drafters' own weights: ~15-20 % faster drafting here, q still exact
+    "--drafter-arg=--dtype=bfloat16",  # the drafters' own weights: half the bytes, as fast as packed float32 here
 ]  # fmt: skip
 CONFIGS = {  # name -> SDK options
     "speculation off": {"speculation": "off"},
