@@ -3,13 +3,15 @@
 Our own forward pass over the Hugging Face modules (gpt-fast / vLLM style), no HF cache or generate:
 
 - the tokens of every sequence in one call are packed, ``[T_total, hidden]``, through embeddings,
-  norms, projections and MLP; attention runs per sequence with ``scaled_dot_product_attention`` on
-  views of that sequence's KV buffer and an explicit mask (:mod:`specdec.attention_masks`);
-- each sequence owns K and V buffers ``[layers, kv_heads, capacity, head_dim]`` holding ``length``
-  committed positions; a forward writes its new K/V after them (scratch) and leaves ``length`` alone;
+  norms, projections and MLP; attention runs for all sequences at once: one ``scaled_dot_product_attention``
+  per layer over the sequences' slots of a shared :class:`~specdec.kv_pool.KVPool`, their queries padded to the
+  longest and an explicit mask (:mod:`specdec.attention_masks`) hiding every key a row may not see (a loop of one
+  call per sequence cost 3x as much at 8 sequences);
+- each sequence owns one pool slot holding ``length`` committed positions; a forward writes its new K/V after
+  them (scratch) and leaves ``length`` alone;
 - :meth:`KVRunner.commit` keeps the pending tokens and one tree path: pointer arithmetic for a chain
   prefix, a copy of only the chosen nodes' K/V for a tree path. Rolling back is not committing.
-  Buffer growth (doubling) is the only copy of committed KV ever made.
+  Pool growth (doubling) is the only copy of committed KV ever made.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers import PreTrainedModel
 
 from specdec.attention_masks import attention_mask, packed_positions
 from specdec.errors import CapacityError, InvalidArgumentError
+from specdec.kv_pool import KVPool
 from specdec.linear import Projection, can_pack
 from specdec.tree import ROOT, TokenTree
 
@@ -48,8 +51,7 @@ class ForwardItem:
 
 @dataclass
 class _SeqState:
-    keys: torch.Tensor  # [layers, kv_heads, capacity, head_dim]
-    values: torch.Tensor  # [layers, kv_heads, capacity, head_dim]
+    slot: int  # of the runner's KVPool
     length: int = 0
     scratch: tuple[int, TokenTree] | None = None  # (pending count, tree) of the last forward
 
@@ -58,9 +60,25 @@ class _SeqState:
 class _Slot:
     state: _SeqState
     row: int  # first row of this sequence in the packed tokens
-    start: int  # committed length = first KV slot written
+    start: int  # committed length = first KV position written
     size: int  # m + N new tokens
-    mask: torch.Tensor | None  # bool [group * size, start + size]; None when size == 1 (sees everything)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """How one forward's packed tokens meet the pool in attention: ``entries`` batch rows of the kernel call, each a
+    pool slot (read as a view from ``first``, or gathered by ``gather``) with its queries padded to ``longest``."""
+
+    first: int
+    gather: torch.Tensor | None  # pool slots, one per entry; None: entries are slots first, first + 1, ..
+    entries: int
+    longest: int  # most new tokens of one sequence
+    end: int  # keys read per entry: the longest sequence after this forward
+    slots: torch.Tensor  # [T] pool slot of each packed token
+    positions: torch.Tensor  # [T] KV position each packed token writes
+    rows: torch.Tensor | None  # [T] row of each packed token in the padded [entries * longest] layout; None: row t
+    mask: torch.Tensor | None  # bool [entries, 1, group * longest, end], padding rows see key 0 (no row is empty);
+    # None when every row sees every key
 
 
 class _Layer(NamedTuple):
@@ -175,6 +193,7 @@ class KVRunner:
             self._kv_heads = attn.k_proj(probe).shape[-1] // self._head_dim
             self._group = attn.q_proj(probe).shape[-1] // self._head_dim // self._kv_heads  # query heads per KV head
             self._cos = self._signed_sin = torch.empty(0, self._head_dim, device=self._device, dtype=self._dtype)
+        self._pool = KVPool(len(self._layers), self._kv_heads, self._head_dim, device=self._device, dtype=self._dtype)
         self._seqs: dict[int, _SeqState] = {}
         self._next_id = 0
 
@@ -199,16 +218,13 @@ class KVRunner:
     @torch.inference_mode()
     def open(self) -> int:
         """A new, empty sequence; returns its id."""
-        empty = torch.empty(
-            len(self._layers), self._kv_heads, 0, self._head_dim, device=self._device, dtype=self._dtype
-        )
         seq, self._next_id = self._next_id, self._next_id + 1
-        self._seqs[seq] = _SeqState(empty, empty)
+        self._seqs[seq] = _SeqState(self._pool.acquire())
         return seq
 
     def close(self, seq: int) -> None:
-        """Free the sequence's buffers."""
-        self._state(seq)
+        """Free the sequence's pool slot."""
+        self._pool.release(self._state(seq).slot)
         del self._seqs[seq]
 
     def length(self, seq: int) -> int:
@@ -251,12 +267,13 @@ class KVRunner:
         slots, tokens, positions = self._plan(items)
         for slot in slots:
             slot.state.scratch = None
+        batch = self._batch(slots, items)
         ids, pos = torch.tensor([tokens, positions], device=self._device)
         hidden = self._embed(ids)  # [T, hidden]
         cos, sin = self._cos[pos].unsqueeze(1), self._signed_sin[pos].unsqueeze(1)  # [T, 1, head_dim]
         captured: dict[int, torch.Tensor] = {}  # feature layer -> its rows [T, hidden]
         for index, layer in enumerate(self._layers):
-            hidden = hidden + self._attention(index, layer, _rms_norm(hidden, layer.input_norm), cos, sin, slots)
+            hidden = hidden + self._attention(index, layer, _rms_norm(hidden, layer.input_norm), cos, sin, batch)
             gate, up = layer.gate_up(_rms_norm(hidden, layer.post_norm))
             hidden = hidden + layer.down(layer.act(gate) * up)[0]
             if index in features:
@@ -302,7 +319,8 @@ class KVRunner:
             base = state.length + pending
             source = torch.tensor([base + node for node in path[moved:]], device=self._device)
             target = torch.arange(base + moved, base + len(path), device=self._device)
-            for buffer in (state.keys, state.values):
+            for pool in (self._pool.keys, self._pool.values):
+                buffer = pool[:, state.slot]  # [layers, kv_heads, capacity, head_dim], a view
                 buffer.index_copy_(2, target, buffer.index_select(2, source))
         state.length += num_pending + len(path)
         state.scratch = None
@@ -340,19 +358,47 @@ class KVRunner:
                 raise CapacityError(
                     f"sequence {item.seq}: {start + pending + tree.max_depth()} positions exceed {self.max_seq_len}"
                 )
-            mask = (
-                attention_mask(start, pending, tree, device=self._device).repeat(self._group, 1) if size > 1 else None
-            )
-            slots.append(_Slot(state, len(tokens), start, size, mask))
+            slots.append(_Slot(state, len(tokens), start, size))
             tokens += item.pending
             tokens += tree.tokens
             positions += packed_positions(start, pending, tree)
         if min(tokens) < 0 or max(tokens) >= self._vocab_size:
             raise InvalidArgumentError("tokens", f"token ids must be in [0, {self._vocab_size})")
-        for slot in slots:
-            self._reserve(slot.state, slot.start + slot.size)
+        needed = max(slot.start + slot.size for slot in slots)  # past max_seq_len only for a wide, shallow tree
+        self._pool.reserve(needed, limit=max(needed, self.max_seq_len))
         self._extend_rope(max(positions) + 1)
         return slots, tokens, positions
+
+    def _batch(self, slots: list[_Slot], items: Sequence[ForwardItem]) -> _Batch:
+        """Lay out one forward's attention over the pool: entries, padded query rows and the mask."""
+        first, gather = self._pool.batch_view([slot.state.slot for slot in slots])
+        entries = gather.numel() if gather is not None else max(slot.state.slot for slot in slots) - first + 1
+        rank = {int(s): e for e, s in enumerate(gather.tolist())} if gather is not None else None
+        longest = max(slot.size for slot in slots)
+        end = max(slot.start + slot.size for slot in slots)
+        mask = torch.zeros(entries, self._group, longest, end, dtype=torch.bool, device=self._device)
+        mask[..., 0] = True
+        write_slots: list[int] = []
+        write_positions: list[int] = []
+        rows: list[int] = []
+        for slot, item in zip(slots, items, strict=True):
+            entry = rank[slot.state.slot] if rank is not None else slot.state.slot - first
+            visible = slot.start + slot.size
+            if slot.size == 1:
+                mask[entry, :, 0, :visible] = True
+            else:
+                mask[entry, :, : slot.size, :visible] = attention_mask(
+                    slot.start, len(item.pending), item.tree, device=self._device
+                )
+            write_slots += [slot.state.slot] * slot.size
+            write_positions += range(slot.start, visible)
+            rows += range(entry * longest, entry * longest + slot.size)
+        slots_t, positions_t, rows_t = torch.tensor([write_slots, write_positions, rows], device=self._device)
+        dense = rows == list(range(entries * longest))  # no padding, entries in packed order: no scatter or gather
+        grouped_mask = None if dense and bool(mask.all()) else mask.view(entries, 1, self._group * longest, end)
+        return _Batch(
+            first, gather, entries, longest, end, slots_t, positions_t, None if dense else rows_t, grouped_mask
+        )
 
     def _attention(
         self,
@@ -361,7 +407,7 @@ class KVRunner:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        slots: list[_Slot],
+        batch: _Batch,
     ) -> torch.Tensor:
         """Self-attention of layer ``index`` over packed ``x`` [T, hidden]; returns [T, hidden]."""
         count = x.shape[0]
@@ -370,36 +416,34 @@ class KVRunner:
             attn = projections.attn
             query, key = _rms_norm(query, _norm(attn.q_norm)), _rms_norm(key, _norm(attn.k_norm))
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        kv_heads, head_dim = self._kv_heads, self._head_dim
-        outputs = []
-        for slot in slots:
-            rows, end = slice(slot.row, slot.row + slot.size), slot.start + slot.size
-            keys, values = slot.state.keys[index], slot.state.values[index]  # [kv_heads, capacity, head_dim]
-            keys[:, slot.start : end] = key[rows].transpose(0, 1)
-            values[:, slot.start : end] = value[rows].transpose(0, 1)
-            # the query heads sharing a KV head become extra query rows: [1, kv_heads, group * size, head_dim]
-            grouped = query[rows].view(slot.size, kv_heads, -1, head_dim).permute(1, 2, 0, 3)
-            out = F.scaled_dot_product_attention(  # 4-D inputs take the fused kernels
-                grouped.reshape(1, kv_heads, -1, head_dim),
-                keys[None, :, :end],
-                values[None, :, :end],
-                attn_mask=slot.mask,
-                scale=self._scale,
-            )
-            outputs.append(out.view(kv_heads, -1, slot.size, head_dim).permute(2, 0, 1, 3))  # [size, kv, group, dim]
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return projections.out(out.reshape(count, -1))[0]
-
-    def _reserve(self, state: _SeqState, size: int) -> None:
-        """Make room for ``size`` positions, doubling; copies only the committed KV."""
-        capacity = state.keys.shape[2]
-        if size <= capacity:
-            return
-        shape = (*state.keys.shape[:2], max(size, 2 * capacity, 16), self._head_dim)
-        keys, values = state.keys.new_empty(shape), state.values.new_empty(shape)
-        keys[:, :, : state.length] = state.keys[:, :, : state.length]
-        values[:, :, : state.length] = state.values[:, :, : state.length]
-        state.keys, state.values = keys, values
+        kv_heads, head_dim, group = self._kv_heads, self._head_dim, self._group
+        pool_keys, pool_values = self._pool.keys[index], self._pool.values[index]  # [slots, kv, capacity, dim]
+        pool_keys[batch.slots, :, batch.positions] = key
+        pool_values[batch.slots, :, batch.positions] = value
+        if batch.gather is None:
+            span = slice(batch.first, batch.first + batch.entries)
+            keys, values = pool_keys[span, :, : batch.end], pool_values[span, :, : batch.end]
+        else:
+            keys = pool_keys[:, :, : batch.end].index_select(0, batch.gather)
+            values = pool_values[:, :, : batch.end].index_select(0, batch.gather)
+        entries, longest = batch.entries, batch.longest
+        padded = query
+        if batch.rows is not None:
+            padded = query.new_zeros(entries * longest, *query.shape[1:]).index_copy_(0, batch.rows, query)
+        # the query heads sharing a KV head become extra query rows: [entries, kv_heads, group * longest, head_dim]
+        grouped = padded.view(entries, longest, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        out = F.scaled_dot_product_attention(  # 4-D inputs take the fused kernels
+            grouped.reshape(entries, kv_heads, group * longest, head_dim),
+            keys,
+            values,
+            attn_mask=batch.mask,
+            scale=self._scale,
+        )
+        out = out.view(entries, kv_heads, group, longest, head_dim).permute(0, 3, 1, 2, 4)  # [e, longest, kv, g, dim]
+        out = out.reshape(entries * longest, -1)
+        if batch.rows is not None:
+            out = out.index_select(0, batch.rows)
+        return projections.out(out)[0]
 
     def _extend_rope(self, size: int) -> None:
         """Grow the rotary tables [positions, head_dim] to cover ``size`` positions (doubling)."""

@@ -164,6 +164,24 @@ def test_batched_equals_alone() -> None:
             assert torch.equal(both[column].argmax(-1), single[0].argmax(-1))
 
 
+def test_sequences_far_apart_in_the_kv_pool_and_reused_slots() -> None:
+    """A forward over sequences spread over the pool (read gathered, not as one view) and over a slot a closed
+    sequence left behind (its stale K/V and the never-written positions past it must stay invisible)."""
+    loaded = tiny_llama(7)
+    runner = KVRunner(loaded.model)
+    seqs = [runner.open() for _ in range(9)]
+    runner.forward([ForwardItem(seq, [seq % 8] * (1 + seq)) for seq in seqs])  # scratch K/V in every slot
+    for seq in seqs[1:8]:
+        runner.close(seq)
+    first, last, reused = seqs[0], seqs[8], runner.open()  # slots 0, 8 and 1 (the lowest free)
+    prompts = {first: [1, 2, 3], last: [4, 5], reused: [6]}
+    trees = {first: TokenTree((2, 7, 3), (-1, -1, 0)), last: TokenTree.chain([1, 1]), reused: TokenTree.empty()}
+    for order in ([first, last], [reused, first], [last, reused, first]):  # gathered, a view, gathered
+        outs = runner.forward([ForwardItem(seq, prompts[seq], trees[seq]) for seq in order])
+        for seq, out in zip(order, outs, strict=True):
+            check_tree_logits(loaded, prompts[seq], trees[seq], out, atol=1e-5)
+
+
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_early_exit_equals_truncated_model(num_layers: int) -> None:
     loaded = tiny_llama(4, num_layers=3)
