@@ -46,7 +46,14 @@ from specdec.drafters.base import (
     common_prefix_length,
 )
 from specdec.drafters.eagle_head import HEAD_CONTEXT, EagleHead, load_head, scaled_attention
-from specdec.drafters.model import SampledSequence, TreeDraft, draft_proposal, grow_level, mark_stopped
+from specdec.drafters.model import (
+    DraftVocabulary,
+    SampledSequence,
+    TreeDraft,
+    draft_proposal,
+    grow_level,
+    mark_stopped,
+)
 from specdec.errors import InvalidArgumentError
 from specdec.linear import packed_for_inference
 from specdec.sampling import SamplingParams
@@ -138,7 +145,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         self._head_dim = head.layers[0].self_attn.head_dim
         weight = head.embed_tokens.weight
         self._tensors = {"dtype": weight.dtype, "device": weight.device}  # of every row, KV and prediction held
-        self._draft_ids = head.draft_to_target.cpu()  # q rows are built on the host (grow_level)
+        self._draft_vocab = DraftVocabulary(head.draft_to_target.cpu(), self.vocab_size)  # q rows: on the host
 
     @classmethod
     def load(
@@ -303,7 +310,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         predicted = self._run(slots, tokens, features, positions)
         for plan, slot in zip(rounds, slots, strict=True):
             plan.root_prediction = predicted[slot.row + slot.size - 1]
-            self._grow(plan, [plan.root_prediction], levels_left=plan.draft.levels)
+        self._grow(rounds, [[plan.root_prediction] for plan in rounds], [plan.draft.levels for plan in rounds])
 
     def _forward_level(self, rounds: list[_Round], depth: int) -> None:
         """Forward the frontier (nodes of depth ``depth - 1``), each reading its parent's prediction."""
@@ -321,13 +328,15 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
                 features.append(plan.root_prediction if parent < 0 else plan.node_predictions[parent])
             positions += [len(state.text) + depth - 1] * len(frontier)
         predicted = self._run(slots, tokens, features, positions)
+        frontier_rows = []
         for plan, slot in zip(rounds, slots, strict=True):
             frontier = plan.draft.frontier
-            rows = predicted[slot.row : slot.row + slot.size]
+            rows = list(predicted[slot.row : slot.row + slot.size])
             plan.node_predictions += [None] * (len(plan.draft.tokens) - len(plan.node_predictions))
             for node, row in zip(frontier, rows, strict=True):
                 plan.node_predictions[node] = row
-            self._grow(plan, list(rows), levels_left=plan.draft.levels - depth)
+            frontier_rows.append(rows)
+        self._grow(rounds, frontier_rows, [plan.draft.levels - depth for plan in rounds])
 
     def _run(
         self, slots: list[_Slot], tokens: list[int], features: list[torch.Tensor], positions: list[int]
@@ -342,14 +351,14 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         )
         return predicted[0]
 
-    def _grow(self, plan: _Round, predictions: list[torch.Tensor], levels_left: int) -> None:
-        """Children of the frontier from the frontier's predictions (rows in frontier order)."""
-        draft = plan.draft
-        logits = self.head.logits(torch.stack(predictions)).float().cpu()  # [F, K]
-        full = torch.full((1 + len(draft.tokens), self.vocab_size), float("-inf"))
-        rows = [node + 1 for node in draft.frontier]  # the root is -1: row 0
-        full[torch.tensor(rows)[:, None], self._draft_ids[None, :]] = logits  # q = 0 off the draft vocab
-        grow_level(draft, full, levels_left)
+    def _grow(self, rounds: list[_Round], predictions: list[list[torch.Tensor]], levels_left: list[int]) -> None:
+        """Children of every round's frontier from its predictions (rows in frontier order), through the head's LM
+        head once for all of them: its weights are most of what a draft step reads."""
+        logits = self.head.logits(torch.stack([row for rows in predictions for row in rows])).float().cpu()  # [F, K]
+        for plan, block, left in zip(
+            rounds, logits.split([len(rows) for rows in predictions]), levels_left, strict=True
+        ):
+            grow_level(plan.draft, block, left, self._draft_vocab)  # q = 0 off the draft vocabulary
 
     def _commit_true_rows(self, state: _Sequence, plan: _Round) -> None:
         """Append the K/V of the leading pending rows read from true features to the head's KV."""
