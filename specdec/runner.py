@@ -3,15 +3,15 @@
 Our own forward pass over the Hugging Face modules (gpt-fast / vLLM style), no HF cache or generate:
 
 - the tokens of every sequence in one call are packed, ``[T_total, hidden]``, through embeddings,
-  norms, projections and MLP; attention runs for all sequences at once: one ``scaled_dot_product_attention``
-  per layer over the sequences' slots of a shared :class:`~specdec.kv_pool.KVPool`, their queries padded to the
-  longest and an explicit mask (:mod:`specdec.attention_masks`) hiding every key a row may not see (a loop of one
-  call per sequence cost 3x as much at 8 sequences);
-- each sequence owns one pool slot holding ``length`` committed positions; a forward writes its new K/V after
-  them (scratch) and leaves ``length`` alone;
+  norms, projections and MLP; attention runs for many sequences at once: one ``scaled_dot_product_attention``
+  per layer and capacity class over the sequences' slots of a :class:`~specdec.kv_pool.KVPool`, their queries
+  padded to the longest and an explicit mask (:mod:`specdec.attention_masks`) hiding every key a row may not see
+  (a loop of one call per sequence cost 3x as much at 8 sequences);
+- each sequence owns one pool slot holding ``length`` committed positions (:class:`~specdec.kv_pool.KVPools`); a
+  forward writes its new K/V after them (scratch) and leaves ``length`` alone;
 - :meth:`KVRunner.commit` keeps the pending tokens and one tree path: pointer arithmetic for a chain
   prefix, a copy of only the chosen nodes' K/V for a tree path. Rolling back is not committing.
-  Pool growth (doubling) is the only copy of committed KV ever made.
+  Moving up a capacity class (doubling) is the only copy of committed KV ever made.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from specdec.attention_masks import attention_mask, packed_positions
 from specdec.errors import CapacityError, InvalidArgumentError
-from specdec.kv_pool import KVPool
+from specdec.kv_pool import KVPool, KVPools, KVSlot
 from specdec.linear import Projection, can_pack
 from specdec.tree import ROOT, TokenTree
 
@@ -51,7 +51,7 @@ class ForwardItem:
 
 @dataclass
 class _SeqState:
-    slot: int  # of the runner's KVPool
+    kv: KVSlot | None = None  # None until the first forward
     length: int = 0
     scratch: tuple[int, TokenTree] | None = None  # (pending count, tree) of the last forward
 
@@ -65,18 +65,21 @@ class _Slot:
 
 
 @dataclass(frozen=True)
-class _Batch:
-    """How one forward's packed tokens meet the pool in attention: ``entries`` batch rows of the kernel call, each a
-    pool slot (read as a view from ``first``, or gathered by ``gather``) with its queries padded to ``longest``."""
+class _Group:
+    """How the packed tokens of one forward's sequences in one pool meet it in attention: ``entries`` batch rows of
+    one kernel call, each a pool slot (read as a view from ``first``, or gathered by ``gather``) with its queries
+    padded to ``longest``."""
 
+    pool: KVPool
+    tokens: torch.Tensor | None  # [Tg] this group's packed tokens in packed order; None: all of them
     first: int
     gather: torch.Tensor | None  # pool slots, one per entry; None: entries are slots first, first + 1, ..
     entries: int
     longest: int  # most new tokens of one sequence
     end: int  # keys read per entry: the longest sequence after this forward
-    slots: torch.Tensor  # [T] pool slot of each packed token
-    positions: torch.Tensor  # [T] KV position each packed token writes
-    rows: torch.Tensor | None  # [T] row of each packed token in the padded [entries * longest] layout; None: row t
+    slots: torch.Tensor  # [Tg] pool slot of each of its tokens
+    positions: torch.Tensor  # [Tg] KV position each writes
+    rows: torch.Tensor | None  # [Tg] row of each in the padded [entries * longest] layout; None: row t
     mask: torch.Tensor | None  # bool [entries, 1, group * longest, end], padding rows see key 0 (no row is empty);
     # None when every row sees every key
 
@@ -193,7 +196,7 @@ class KVRunner:
             self._kv_heads = attn.k_proj(probe).shape[-1] // self._head_dim
             self._group = attn.q_proj(probe).shape[-1] // self._head_dim // self._kv_heads  # query heads per KV head
             self._cos = self._signed_sin = torch.empty(0, self._head_dim, device=self._device, dtype=self._dtype)
-        self._pool = KVPool(len(self._layers), self._kv_heads, self._head_dim, device=self._device, dtype=self._dtype)
+        self._kv = KVPools(len(self._layers), self._kv_heads, self._head_dim, device=self._device, dtype=self._dtype)
         self._seqs: dict[int, _SeqState] = {}
         self._next_id = 0
 
@@ -215,16 +218,24 @@ class KVRunner:
     def num_open(self) -> int:
         return len(self._seqs)
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K/V held for the open sequences (:class:`~specdec.kv_pool.KVPools`: free slots of their capacity
+        classes included); 0 when none is open."""
+        return self._kv.nbytes
+
     @torch.inference_mode()
     def open(self) -> int:
         """A new, empty sequence; returns its id."""
         seq, self._next_id = self._next_id, self._next_id + 1
-        self._seqs[seq] = _SeqState(self._pool.acquire())
+        self._seqs[seq] = _SeqState()
         return seq
 
     def close(self, seq: int) -> None:
         """Free the sequence's pool slot."""
-        self._pool.release(self._state(seq).slot)
+        kv = self._state(seq).kv
+        if kv is not None:
+            self._kv.release(kv)
         del self._seqs[seq]
 
     def length(self, seq: int) -> int:
@@ -267,13 +278,13 @@ class KVRunner:
         slots, tokens, positions = self._plan(items)
         for slot in slots:
             slot.state.scratch = None
-        batch = self._batch(slots, items)
+        groups = self._groups(slots, items)
         ids, pos = torch.tensor([tokens, positions], device=self._device)
         hidden = self._embed(ids)  # [T, hidden]
         cos, sin = self._cos[pos].unsqueeze(1), self._signed_sin[pos].unsqueeze(1)  # [T, 1, head_dim]
         captured: dict[int, torch.Tensor] = {}  # feature layer -> its rows [T, hidden]
         for index, layer in enumerate(self._layers):
-            hidden = hidden + self._attention(index, layer, _rms_norm(hidden, layer.input_norm), cos, sin, batch)
+            hidden = hidden + self._attention(index, layer, _rms_norm(hidden, layer.input_norm), cos, sin, groups)
             gate, up = layer.gate_up(_rms_norm(hidden, layer.post_norm))
             hidden = hidden + layer.down(layer.act(gate) * up)[0]
             if index in features:
@@ -319,8 +330,8 @@ class KVRunner:
             base = state.length + pending
             source = torch.tensor([base + node for node in path[moved:]], device=self._device)
             target = torch.arange(base + moved, base + len(path), device=self._device)
-            for pool in (self._pool.keys, self._pool.values):
-                buffer = pool[:, state.slot]  # [layers, kv_heads, capacity, head_dim], a view
+            for pool in (state.kv.pool.keys, state.kv.pool.values):
+                buffer = pool[:, state.kv.index]  # [layers, kv_heads, capacity, head_dim], a view
                 buffer.index_copy_(2, target, buffer.index_select(2, source))
         state.length += num_pending + len(path)
         state.scratch = None
@@ -364,25 +375,40 @@ class KVRunner:
             positions += packed_positions(start, pending, tree)
         if min(tokens) < 0 or max(tokens) >= self._vocab_size:
             raise InvalidArgumentError("tokens", f"token ids must be in [0, {self._vocab_size})")
-        needed = max(slot.start + slot.size for slot in slots)  # past max_seq_len only for a wide, shallow tree
-        self._pool.reserve(needed, limit=max(needed, self.max_seq_len))
+        for slot in slots:  # past max_seq_len only for a wide, shallow tree
+            needed = slot.start + slot.size
+            state = slot.state
+            state.kv = self._kv.reserve(state.kv, needed, keep=state.length, limit=max(needed, self.max_seq_len))
         self._extend_rope(max(positions) + 1)
         return slots, tokens, positions
 
-    def _batch(self, slots: list[_Slot], items: Sequence[ForwardItem]) -> _Batch:
-        """Lay out one forward's attention over the pool: entries, padded query rows and the mask."""
-        first, gather = self._pool.batch_view([slot.state.slot for slot in slots])
-        entries = gather.numel() if gather is not None else max(slot.state.slot for slot in slots) - first + 1
+    def _groups(self, slots: list[_Slot], items: Sequence[ForwardItem]) -> list[_Group]:
+        """Lay out one forward's attention: per pool among its sequences, entries, padded query rows and the mask."""
+        by_pool: dict[int, list[int]] = {}
+        for position, slot in enumerate(slots):
+            by_pool.setdefault(id(slot.state.kv.pool), []).append(position)
+        whole = len(by_pool) == 1
+        return [
+            self._pool_group([slots[i] for i in chosen], [items[i] for i in chosen], whole)
+            for chosen in by_pool.values()
+        ]
+
+    def _pool_group(self, slots: list[_Slot], items: list[ForwardItem], whole: bool) -> _Group:
+        pool = slots[0].state.kv.pool
+        first, gather = pool.batch_view([slot.state.kv.index for slot in slots])
+        entries = gather.numel() if gather is not None else max(slot.state.kv.index for slot in slots) - first + 1
         rank = {int(s): e for e, s in enumerate(gather.tolist())} if gather is not None else None
         longest = max(slot.size for slot in slots)
         end = max(slot.start + slot.size for slot in slots)
         mask = torch.zeros(entries, self._group, longest, end, dtype=torch.bool, device=self._device)
         mask[..., 0] = True
+        tokens: list[int] = []
         write_slots: list[int] = []
         write_positions: list[int] = []
         rows: list[int] = []
         for slot, item in zip(slots, items, strict=True):
-            entry = rank[slot.state.slot] if rank is not None else slot.state.slot - first
+            index = slot.state.kv.index
+            entry = rank[index] if rank is not None else index - first
             visible = slot.start + slot.size
             if slot.size == 1:
                 mask[entry, :, 0, :visible] = True
@@ -390,14 +416,27 @@ class KVRunner:
                 mask[entry, :, : slot.size, :visible] = attention_mask(
                     slot.start, len(item.pending), item.tree, device=self._device
                 )
-            write_slots += [slot.state.slot] * slot.size
+            tokens += range(slot.row, slot.row + slot.size)
+            write_slots += [index] * slot.size
             write_positions += range(slot.start, visible)
             rows += range(entry * longest, entry * longest + slot.size)
-        slots_t, positions_t, rows_t = torch.tensor([write_slots, write_positions, rows], device=self._device)
+        tokens_t, slots_t, positions_t, rows_t = torch.tensor(
+            [tokens, write_slots, write_positions, rows], device=self._device
+        )
         dense = rows == list(range(entries * longest))  # no padding, entries in packed order: no scatter or gather
         grouped_mask = None if dense and bool(mask.all()) else mask.view(entries, 1, self._group * longest, end)
-        return _Batch(
-            first, gather, entries, longest, end, slots_t, positions_t, None if dense else rows_t, grouped_mask
+        return _Group(
+            pool,
+            None if whole else tokens_t,
+            first,
+            gather,
+            entries,
+            longest,
+            end,
+            slots_t,
+            positions_t,
+            None if dense else rows_t,
+            grouped_mask,
         )
 
     def _attention(
@@ -407,7 +446,7 @@ class KVRunner:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        batch: _Batch,
+        groups: list[_Group],
     ) -> torch.Tensor:
         """Self-attention of layer ``index`` over packed ``x`` [T, hidden]; returns [T, hidden]."""
         count = x.shape[0]
@@ -416,34 +455,46 @@ class KVRunner:
             attn = projections.attn
             query, key = _rms_norm(query, _norm(attn.q_norm)), _rms_norm(key, _norm(attn.k_norm))
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        kv_heads, head_dim, group = self._kv_heads, self._head_dim, self._group
-        pool_keys, pool_values = self._pool.keys[index], self._pool.values[index]  # [slots, kv, capacity, dim]
-        pool_keys[batch.slots, :, batch.positions] = key
-        pool_values[batch.slots, :, batch.positions] = value
-        if batch.gather is None:
-            span = slice(batch.first, batch.first + batch.entries)
-            keys, values = pool_keys[span, :, : batch.end], pool_values[span, :, : batch.end]
+        if groups[0].tokens is None:
+            out = self._group_attention(index, groups[0], query, key, value)
         else:
-            keys = pool_keys[:, :, : batch.end].index_select(0, batch.gather)
-            values = pool_values[:, :, : batch.end].index_select(0, batch.gather)
-        entries, longest = batch.entries, batch.longest
+            out = query.new_empty(count, query.shape[1] * self._head_dim)
+            for group in groups:
+                rows = group.tokens
+                out.index_copy_(0, rows, self._group_attention(index, group, query[rows], key[rows], value[rows]))
+        return projections.out(out)[0]
+
+    def _group_attention(
+        self, index: int, group: _Group, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of one group's rows ``query`` [Tg, heads, head_dim] (``key``, ``value``: [Tg, kv_heads,
+        head_dim], written to its pool first); returns [Tg, heads * head_dim]."""
+        kv_heads, head_dim, heads_per_kv = self._kv_heads, self._head_dim, self._group
+        pool_keys, pool_values = group.pool.keys[index], group.pool.values[index]  # [slots, kv, capacity, dim]
+        pool_keys[group.slots, :, group.positions] = key
+        pool_values[group.slots, :, group.positions] = value
+        if group.gather is None:
+            span = slice(group.first, group.first + group.entries)
+            keys, values = pool_keys[span, :, : group.end], pool_values[span, :, : group.end]
+        else:
+            keys = pool_keys[:, :, : group.end].index_select(0, group.gather)
+            values = pool_values[:, :, : group.end].index_select(0, group.gather)
+        entries, longest = group.entries, group.longest
         padded = query
-        if batch.rows is not None:
-            padded = query.new_zeros(entries * longest, *query.shape[1:]).index_copy_(0, batch.rows, query)
+        if group.rows is not None:
+            padded = query.new_zeros(entries * longest, *query.shape[1:]).index_copy_(0, group.rows, query)
         # the query heads sharing a KV head become extra query rows: [entries, kv_heads, group * longest, head_dim]
-        grouped = padded.view(entries, longest, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        grouped = padded.view(entries, longest, kv_heads, heads_per_kv, head_dim).permute(0, 2, 3, 1, 4)
         out = F.scaled_dot_product_attention(  # 4-D inputs take the fused kernels
-            grouped.reshape(entries, kv_heads, group * longest, head_dim),
+            grouped.reshape(entries, kv_heads, heads_per_kv * longest, head_dim),
             keys,
             values,
-            attn_mask=batch.mask,
+            attn_mask=group.mask,
             scale=self._scale,
         )
-        out = out.view(entries, kv_heads, group, longest, head_dim).permute(0, 3, 1, 2, 4)  # [e, longest, kv, g, dim]
-        out = out.reshape(entries * longest, -1)
-        if batch.rows is not None:
-            out = out.index_select(0, batch.rows)
-        return projections.out(out)[0]
+        out = out.view(entries, kv_heads, heads_per_kv, longest, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(entries * longest, -1)  # [entries * longest, heads * head_dim]
+        return out if group.rows is None else out.index_select(0, group.rows)
 
     def _extend_rope(self, size: int) -> None:
         """Grow the rotary tables [positions, head_dim] to cover ``size`` positions (doubling)."""

@@ -71,6 +71,7 @@ VERIFIER_NAMES = {
     "specdec:verifier_forward_seconds_bucket",
     "specdec:verifier_arrival_wait_seconds_bucket",
     "specdec:verifier_verify_calls_total",
+    "specdec:verifier_kv_cache_bytes",
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "specdec:wire_bytes_total",
@@ -320,6 +321,7 @@ def test_verifier_and_drafter_serve_their_own_metrics(services: Services) -> Non
     model = services.router.config.model  # the request's sequences are closed before its final message
     assert value(verifier_after, "vllm:num_requests_running", model_name=model) == 0
     assert value(verifier_after, "vllm:num_requests_waiting", model_name=model) == 0
+    assert value(verifier_after, "specdec:verifier_kv_cache_bytes") == 0  # the last close freed the pools
     assert value(drafter_after, "specdec:drafter_open_sequences") == 0
 
 

@@ -247,6 +247,32 @@ def test_open_close_and_sizes() -> None:
         runner.length(first)
 
 
+def test_kv_memory_follows_each_sequences_own_length() -> None:
+    """KV lives in capacity classes (powers of two from 16): a long sequence beside short ones does not make theirs
+    long; one that outgrows its class moves up with its KV intact; a class is freed with its last sequence."""
+    loaded = tiny_llama(8, max_positions=1024)
+    runner = KVRunner(loaded.model)
+    position = 2 * 2 * 8 * 4 * 2  # bytes of one position: layers x KV heads x head_dim x float32 x (K, V)
+    short = [runner.open() for _ in range(5)]
+    long = runner.open()
+    prompts = {seq: [(seq + i) % 8 for i in range(10)] for seq in short} | {long: [i % 7 for i in range(600)]}
+    runner.forward([ForwardItem(seq, prompt) for seq, prompt in prompts.items()])
+    for seq, prompt in prompts.items():
+        runner.commit(seq, len(prompt))
+    assert runner.kv_bytes == (8 * 16 + 4 * 1024) * position  # slots double from 4: 8 of 16 positions, 4 of 1024
+    grown = [3, 1, 4, 1, 5, 1, 2, 6, 5, 3]
+    out = runner.forward([ForwardItem(short[0], grown), ForwardItem(short[1], [2])], all_logits=True)
+    assert runner.kv_bytes == (8 * 16 + 4 * 32 + 4 * 1024) * position  # short[0] moved up to a class of 32
+    reference = hf_logits(loaded, [prompts[short[0]] + grown, prompts[short[1]] + [2]])
+    torch.testing.assert_close(out[0], reference[0, 10:20], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[1], reference[1, 10:11], atol=1e-5, rtol=0)
+    runner.close(long)
+    assert runner.kv_bytes == (8 * 16 + 4 * 32) * position
+    for seq in short:
+        runner.close(seq)
+    assert runner.kv_bytes == 0
+
+
 def test_capacity_limit() -> None:
     runner = KVRunner(tiny_llama(0).model, max_seq_len=8)
     seq = runner.open()

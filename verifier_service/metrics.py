@@ -51,6 +51,11 @@ class VerifierMetrics:
         self.running = Gauge("vllm:num_requests_running", "Open sequences.", ["model_name"], registry=registry).labels(
             model_name
         )
+        self.kv_cache_bytes = Gauge(
+            "specdec:verifier_kv_cache_bytes",
+            "Bytes of K/V the target's runner holds for the open sequences (on this rank, under tensor parallelism).",
+            registry=registry,
+        )
         self.waiting = Gauge(
             "vllm:num_requests_waiting", "Verify calls queued for the next batch.", ["model_name"], registry=registry
         ).labels(model_name)

@@ -184,6 +184,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
 
     def _after_pass(self) -> None:
         self.metrics.running.set(self.verifier.num_open)
+        self.metrics.kv_cache_bytes.set(self.verifier.runner.kv_bytes)
 
     def _on_stop(self) -> None:
         LOG.info("answered %d Verify calls in %d batches (largest %d)", self._calls, self._batches, self._max_batch)

@@ -98,6 +98,10 @@ class BroadcastRunner:
     def num_open(self) -> int:
         return self.runner.num_open
 
+    @property
+    def kv_bytes(self) -> int:
+        return self.runner.kv_bytes  # this rank's shard; every rank holds the same
+
     def length(self, seq: int) -> int:
         return self.runner.length(seq)
 
