@@ -4,9 +4,10 @@ Our own forward pass over the Hugging Face modules (gpt-fast / vLLM style), no H
 
 - the tokens of every sequence in one call are packed, ``[T_total, hidden]``, through embeddings,
   norms, projections and MLP; attention runs for many sequences at once: one ``scaled_dot_product_attention``
-  per layer and capacity class over the sequences' slots of a :class:`~specdec.kv_pool.KVPool`, their queries
-  padded to the longest and an explicit mask (:mod:`specdec.attention_masks`) hiding every key a row may not see
-  (a loop of one call per sequence cost 3x as much at 8 sequences);
+  per layer, capacity class and power of two of new tokens, over the sequences' slots of a
+  :class:`~specdec.kv_pool.KVPool`, their queries padded to the longest and an explicit mask
+  (:mod:`specdec.attention_masks`) hiding every key a row may not see (a loop of one call per sequence cost 3x as
+  much at 8 sequences);
 - each sequence owns one pool slot holding ``length`` committed positions (:class:`~specdec.kv_pool.KVPools`); a
   forward writes its new K/V after them (scratch) and leaves ``length`` alone;
 - :meth:`KVRunner.commit` keeps the pending tokens and one tree path: pointer arithmetic for a chain
@@ -383,14 +384,16 @@ class KVRunner:
         return slots, tokens, positions
 
     def _groups(self, slots: list[_Slot], items: Sequence[ForwardItem]) -> list[_Group]:
-        """Lay out one forward's attention: per pool among its sequences, entries, padded query rows and the mask."""
-        by_pool: dict[int, list[int]] = {}
+        """Lay out one forward's attention: a group per pool and power-of-two of new tokens among its sequences (a
+        prompt's prefill padding fifteen one-token decodes to its length would attend 15 x its rows), each with its
+        entries, padded query rows and mask."""
+        groups: dict[tuple[int, int], list[int]] = {}
         for position, slot in enumerate(slots):
-            by_pool.setdefault(id(slot.state.kv.pool), []).append(position)
-        whole = len(by_pool) == 1
+            groups.setdefault((id(slot.state.kv.pool), (slot.size - 1).bit_length()), []).append(position)
+        whole = len(groups) == 1
         return [
             self._pool_group([slots[i] for i in chosen], [items[i] for i in chosen], whole)
-            for chosen in by_pool.values()
+            for chosen in groups.values()
         ]
 
     def _pool_group(self, slots: list[_Slot], items: list[ForwardItem], whole: bool) -> _Group:
