@@ -93,8 +93,7 @@ class _Round:
     true_pending: int  # leading pending rows read from true features (committed to KV after the round)
     visible_from: int  # the committed KV rows it attends to: visible_from .. kv_end - 1
     kv_end: int  # the KV row of its first pending row (past ``committed`` when older rows fell out of the window)
-    scratch_keys: list[torch.Tensor]
-    scratch_values: list[torch.Tensor]
+    scratch: int = 0  # rows whose K/V this round wrote into the sequence's buffers from ``kv_end`` on
     root_prediction: torch.Tensor | None = None
     node_predictions: list[torch.Tensor | None] = field(default_factory=list)
 
@@ -110,8 +109,9 @@ class _Slot:
 
 
 class _PackedAttention:
-    """Attention of packed rows, per sequence over its committed head KV, its round's scratch and its new rows;
-    the new K/V join the round's scratch."""
+    """Attention of packed rows, per sequence over its committed head KV, its round's scratch and its new rows: the
+    new K/V are written into the sequence's buffers after the round's scratch, so what a row attends to is one view
+    of them (copying the window out each level cost more than the attention)."""
 
     def __init__(self, slots: list[_Slot]) -> None:
         self.slots = slots
@@ -121,12 +121,15 @@ class _PackedAttention:
         for slot in self.slots:
             rows = slice(slot.row, slot.row + slot.size)
             plan, state = slot.plan, slot.plan.draft.sequence
-            plan.scratch_keys[index] = torch.cat([plan.scratch_keys[index], key[0, :, rows]], dim=1)
-            plan.scratch_values[index] = torch.cat([plan.scratch_values[index], value[0, :, rows]], dim=1)
-            visible = slice(plan.visible_from, plan.kv_end)
-            keys = torch.cat([state.keys[index][:, visible], plan.scratch_keys[index]], dim=1)
-            values = torch.cat([state.values[index][:, visible], plan.scratch_values[index]], dim=1)
-            outputs.append(scaled_attention(query[:, :, rows], keys[None], values[None], slot.mask))
+            start = plan.kv_end + plan.scratch
+            end = start + slot.size
+            keys, values = state.keys[index], state.values[index]
+            keys[:, start:end] = key[0, :, rows]
+            values[:, start:end] = value[0, :, rows]
+            visible = slice(plan.visible_from, end)
+            outputs.append(
+                scaled_attention(query[:, :, rows], keys[None, :, visible], values[None, :, visible], slot.mask)
+            )
         return torch.cat(outputs, dim=2)
 
 
@@ -288,9 +291,17 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         kv_end = first - 1
         visible_from = kv_end if kv_end > state.committed else max(state.kv_floor, window_start)
         true_rows = max(0, min(length - 1, state.num_features) - kv_end)  # true features: a prefix
-        empty = [torch.empty(self._kv_heads, 0, self._head_dim, **self._tensors) for _ in self.head.layers]
-        draft = TreeDraft(state, budget, levels)
-        return _Round(draft, tokens, features, true_rows, visible_from, kv_end, list(empty), list(empty))
+        self._reserve(state, kv_end + len(tokens) + budget)  # the round's scratch: its pending rows and nodes
+        return _Round(TreeDraft(state, budget, levels), tokens, features, true_rows, visible_from, kv_end)
+
+    def _reserve(self, state: _Sequence, size: int) -> None:
+        """Room for ``size`` KV rows in the sequence's buffers (doubling: the only copy of committed KV)."""
+        for buffers in (state.keys, state.values):
+            for index, buffer in enumerate(buffers):
+                if size > buffer.shape[1]:
+                    grown = buffer.new_empty(buffer.shape[0], max(size, 2 * buffer.shape[1], 64), buffer.shape[2])
+                    grown[:, state.kv_floor : state.committed] = buffer[:, state.kv_floor : state.committed]
+                    buffers[index] = grown
 
     def _feature(self, state: _Sequence, position: int) -> torch.Tensor | None:
         if state.features_from <= position < state.num_features:
@@ -349,6 +360,8 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
             torch.tensor([positions], device=device),
             _PackedAttention(slots),
         )
+        for slot in slots:
+            slot.plan.scratch += slot.size
         return predicted[0]
 
     def _grow(self, rounds: list[_Round], predictions: list[list[torch.Tensor]], levels_left: list[int]) -> None:
@@ -361,19 +374,11 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
             grow_level(plan.draft, block, left, self._draft_vocab)  # q = 0 off the draft vocabulary
 
     def _commit_true_rows(self, state: _Sequence, plan: _Round) -> None:
-        """Append the K/V of the leading pending rows read from true features to the head's KV."""
+        """Keep the K/V of the leading pending rows read from true features (written in place at ``kv_end``)."""
         count = plan.true_pending
         if count <= 0:
             return
         start, end = plan.kv_end, plan.kv_end + count
-        for index in range(len(state.keys)):
-            for buffers, scratch in ((state.keys, plan.scratch_keys), (state.values, plan.scratch_values)):
-                buffer = buffers[index]
-                if end > buffer.shape[1]:  # doubling: the only copy of committed KV
-                    grown = buffer.new_empty(buffer.shape[0], max(end, 2 * buffer.shape[1], 64), buffer.shape[2])
-                    grown[:, state.kv_floor : state.committed] = buffer[:, state.kv_floor : state.committed]
-                    buffers[index] = buffer = grown
-                buffer[:, start:end] = scratch[index][:, :count]
         if start > state.committed:  # the rows between fell out of the window without being computed
             state.kv_floor = start
         state.committed = end
