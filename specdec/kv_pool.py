@@ -32,12 +32,15 @@ class KVPool:
         self.capacity = capacity
         self.keys = torch.empty(layers, 0, kv_heads, capacity, head_dim, device=device, dtype=dtype)
         self.values = torch.empty_like(self.keys)
-        self.in_use = 0
         self._free: list[int] = []  # a heap of free slot indices
 
     @property
     def slots(self) -> int:
         return self.keys.shape[1]
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self._free)
 
     def acquire(self) -> int:
         """A free slot (the lowest), doubling the slots when none is left."""
@@ -49,12 +52,10 @@ class KVPool:
                 grown[:, :old] = getattr(self, name)
                 setattr(self, name, grown)
             self._free = list(range(old, self.slots))
-        self.in_use += 1
         return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
-        self.in_use -= 1
 
     def batch_view(self, slots: list[int]) -> tuple[int, torch.Tensor | None]:
         """How a forward over ``slots`` reads the pool: ``(first, None)`` when it reads the contiguous run of slots
