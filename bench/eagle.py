@@ -12,8 +12,9 @@ load hits all alike). Sections (``--sections``, default all; ``budgets`` needs `
   answers, beside the held-out agreement its training reported, and split by whether the previous position agreed
   (:mod:`bench.eagle_agreement`): whether serving computes what training measured, and why ``acc@1`` is lower;
 * ``speed``: greedy: target-only (and target-only over torch's own matrix multiplies, unpacked), ngram γ=4,
-  Hugging Face prompt lookup γ=4, every eagle shape and γ=4 with the head's weights in bfloat16 (the target stays
-  float32); then target-only vs eagle γ=4 at temperature 0.7;
+  Hugging Face prompt lookup γ=4, every eagle shape, γ=4 with the head's weights in bfloat16 (the target stays
+  float32) and the :data:`INT8_SHAPES` with its draft layers over int8 weights (``--draft-quantization int8``); then
+  target-only vs eagle γ=4 (float32 and int8 head) at temperature 0.7;
 * ``budgets``: each head of ``--budget-heads`` (e.g. ``specdec distill --snapshot-minutes`` copies) at γ = 4,
   greedy: training budget -> held-out mean accepted length.
 
@@ -68,6 +69,7 @@ SHAPES = {  # each tree beside the chain that verifies as many positions (chain 
     "tree d4 w2 b8": DraftConfig(num_draft_tokens=4, tree_width=2, tree_budget=8),
 }
 BUDGET_SHAPE = "chain γ=4"
+INT8_SHAPES = ("chain γ=2", "chain γ=3", BUDGET_SHAPE, "tree d3 w2 b4")  # speed rows also run with an int8 head
 TRAINING_KEYS = ("features", "train_minutes", "data_minutes", "training_tokens", "tokens_seen")  # train-summary.json
 MAX_DEPTH = max(config.num_draft_tokens for config in SHAPES.values())
 
@@ -196,11 +198,17 @@ def recording_engine(target: LoadedModel, drafter: Drafter | None) -> RecordingE
     return RecordingEngine(KVRunner(target.model), target.eos_token_ids, drafter)
 
 
-def eagle_drafters(target: LoadedModel, draft_model: str | None) -> dict[str, EagleDrafter]:
-    """One drafter per :data:`SHAPES` entry, all over one head (``build_drafter`` finds and checks it)."""
-    (first_name, first_config), *rest = SHAPES.items()
-    first = cast(EagleDrafter, build_drafter("eagle", target, first_config, draft_model=draft_model))
-    return {first_name: first, **{name: EagleDrafter(first.head, config) for name, config in rest}}
+def eagle_drafters(
+    target: LoadedModel, draft_model: str | None, shapes: Sequence[str] = tuple(SHAPES), quantization: str = "none"
+) -> dict[str, EagleDrafter]:
+    """One drafter per named :data:`SHAPES` entry, all over one head (``build_drafter`` finds and checks it), its
+    draft layers ``quantization``."""
+    first_name, *rest = shapes
+    first = cast(
+        EagleDrafter,
+        build_drafter("eagle", target, SHAPES[first_name], draft_model=draft_model, draft_quantization=quantization),
+    )
+    return {first_name: first, **{name: EagleDrafter(first.head, SHAPES[name]) for name in rest}}
 
 
 Config = tuple[RecordingEngine, SamplingParams]
@@ -289,6 +297,8 @@ def _speed_rows(results: list[ConfigResult], sampling: str) -> list[dict[str, An
             speedup=result.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else None,
             tokens_per_round=result.mean_accepted_length,
             acceptance_rate=result.acceptance_rate,
+            draft_ms_per_token=1e3 * result.draft_s / result.draft_tokens if result.draft_tokens else None,
+            verify_ms_per_round=1e3 * result.verify_s / result.rounds if result.rounds else None,
             same_as_target_only=same if sampling == "greedy" else None,
             requests=len(result.outputs),
         )
@@ -298,8 +308,8 @@ def _speed_rows(results: list[ConfigResult], sampling: str) -> list[dict[str, An
 
 def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
     """Greedy: target-only (also over torch's own matrix multiplies: the runner packs float32 CPU weights for oneDNN,
-    :mod:`specdec.linear`), ngram, HF prompt lookup, every eagle shape and γ=4 with a bfloat16 head; then
-    target-only vs eagle γ=4 at T=0.7."""
+    :mod:`specdec.linear`), ngram, HF prompt lookup, every eagle shape, γ=4 with a bfloat16 head and the
+    :data:`INT8_SHAPES` with an int8 one; then target-only vs eagle γ=4 (float32 and int8 head) at T=0.7."""
     max_tokens = settings.max_tokens
     drafters = eagle_drafters(target, settings.draft_model)
 
@@ -310,6 +320,7 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
     bfloat16_head = build_drafter(
         "eagle", target, SHAPES[BUDGET_SHAPE], draft_model=settings.draft_model, head_dtype=torch.bfloat16
     )
+    int8 = eagle_drafters(target, settings.draft_model, INT8_SHAPES, quantization="int8")
     greedy: dict[str, Generate] = {
         "target-only": engine_generator(engine(None), max_tokens),
         "target-only, torch's own matmuls": engine_generator(engine(None, pack_weights=False), max_tokens),
@@ -317,6 +328,10 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
         "hf-prompt-lookup γ=4": hf_generator(target, max_tokens, prompt_lookup_num_tokens=4),
         **{f"eagle {shape}": engine_generator(engine(drafter), max_tokens) for shape, drafter in drafters.items()},
         f"eagle {BUDGET_SHAPE}, bfloat16 head": engine_generator(engine(bfloat16_head), max_tokens),
+        **{
+            f"eagle {shape}, int8 head": engine_generator(engine(drafter), max_tokens)
+            for shape, drafter in int8.items()
+        },
     }
     token_ids = [prompt.token_ids for prompt in prompts]
     rows = _speed_rows(compare(greedy, token_ids), "greedy")
@@ -324,6 +339,7 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
     sampled = {
         "target-only": sampled_generator(engine(None), SAMPLED, max_tokens),
         f"eagle {BUDGET_SHAPE}": sampled_generator(engine(drafters[BUDGET_SHAPE]), SAMPLED, max_tokens),
+        f"eagle {BUDGET_SHAPE}, int8 head": sampled_generator(engine(int8[BUDGET_SHAPE]), SAMPLED, max_tokens),
     }
     return rows + _speed_rows(compare(sampled, token_ids), "T=0.7")
 
@@ -473,8 +489,8 @@ def _agreement_table(rows: list[dict[str, Any]]) -> list[str]:
 def _speed_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| sampling | config | tokens | tokens/s | × target-only | tokens/round (all rounds) | acceptance rate "
-        "| same tokens as target-only |",
-        "|---|---|---|---|---|---|---|---|",
+        "| draft ms / drafted token | verify ms / round | same tokens as target-only |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         same = "–" if row["same_as_target_only"] is None else f"{row['same_as_target_only']}/{row['requests']}"
@@ -486,6 +502,8 @@ def _speed_table(rows: list[dict[str, Any]]) -> list[str]:
             _fmt(row["speedup"]),
             _fmt(row["tokens_per_round"]),
             _fmt(row["acceptance_rate"], ".3f"),
+            _fmt(row.get("draft_ms_per_token"), ".2f"),
+            _fmt(row.get("verify_ms_per_round"), ".1f"),
             same,
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -13,9 +13,9 @@ from grpc_common.convert import MAX_PROPOSAL_NODES
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
 from specdec.drafter_kinds import DRAFTER_KINDS
-from specdec.drafters import DraftConfig
+from specdec.drafters import DraftConfig, check_quantizable
 from specdec.errors import InvalidArgumentError
-from specdec.precision import MODEL_DTYPES, check_dtype
+from specdec.precision import DRAFT_QUANTIZATIONS, MODEL_DTYPES, check_dtype
 
 SERVED_KINDS: tuple[str, ...] = tuple(kind for kind in DRAFTER_KINDS if kind != "none")
 ENV_PREFIX = "SPECDEC_DRAFTER_"
@@ -40,7 +40,8 @@ class DrafterConfig:
     router that died leaks nothing. Every message is bounded before anything is allocated: a sequence's shape at most
     ``max_proposal_nodes`` nodes, its text (prompt + committed) at most ``max_seq_len`` tokens, a Batch at most
     ``max_batch_calls`` calls. ``eagle_context`` (default 640, the span ``specdec distill`` trains a head on) is how
-    many head positions an eagle drafter attends over, and so how many of a prompt's feature rows it is sent.
+    many head positions an eagle drafter attends over, and so how many of a prompt's feature rows it is sent;
+    ``draft_quantization`` (``none``, ``int8``) what its head's draft layers run on (only an eagle head's can be int8).
     """
 
     kind: str
@@ -68,6 +69,7 @@ class DrafterConfig:
     max_batch_calls: int = 1024
     max_seq_len: int = 32768
     eagle_context: int | None = None  # None: the head's default (HEAD_CONTEXT)
+    draft_quantization: str = "none"
 
     def __post_init__(self) -> None:
         if not 0 <= self.arrival_wait <= 1:
@@ -79,6 +81,7 @@ class DrafterConfig:
         if self.early_exit_layers is not None and self.early_exit_layers < 1:
             raise InvalidArgumentError("early_exit_layers", f"must be >= 1, got {self.early_exit_layers}")
         check_dtype(self.dtype)
+        check_quantizable(self.kind, self.draft_quantization)
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError("port", f"must be in [0, 65536), got {self.port}")
         check_metrics_port(self.metrics_port)
@@ -161,6 +164,12 @@ class DrafterConfig:
         option("max_batch_calls", int, "most calls in one Batch")
         option("max_seq_len", int, "most tokens of a sequence's text (prompt + committed)")
         option("eagle_context", int, "head positions an eagle drafter attends over (default 640, its training span)")
+        option(
+            "draft_quantization",
+            str,
+            "an eagle head's draft layers over int8 weights where the CPU can (int8), or as loaded (none)",
+            choices=DRAFT_QUANTIZATIONS,
+        )
         add_tls_arguments(parser, ENV_PREFIX, environ)
         values = vars(parser.parse_args(argv))
         tls = tls_from_args(values)

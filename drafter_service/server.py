@@ -49,6 +49,7 @@ def build_core_drafter(
             dtype=dtype,
             device=config.device,
             eagle_context=context,
+            quantization=config.draft_quantization,
         )
         assert drafter is not None, "a drafter service has a kind"
         return drafter
@@ -64,6 +65,7 @@ def build_core_drafter(
         draft_model=config.draft_model if config.kind == "eagle" else draft,
         early_exit_layers=config.early_exit_layers,
         eagle_context=context,
+        draft_quantization=config.draft_quantization,
     )
     if owned and config.kind == "early-exit":
         keep = config.early_exit_layers or default_early_exit_layers(target)

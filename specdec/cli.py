@@ -22,7 +22,7 @@ from specdec.check.command import register_check
 from specdec.distill.cli import register_distill
 from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError, SpecdecError
-from specdec.precision import MODEL_DTYPES, check_dtype
+from specdec.precision import DRAFT_QUANTIZATIONS, MODEL_DTYPES, check_dtype
 from specdec.sampling_params import SamplingParams
 from specdec.stats import GenerationResult, SpecStats
 
@@ -61,6 +61,11 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--dtype", help=f"precision of the models: {', '.join(MODEL_DTYPES)} (default float32)")
     parser.add_argument("--device", help="torch device of the models, e.g. cuda (default cpu)")
+    parser.add_argument(
+        "--draft-quantization",
+        choices=DRAFT_QUANTIZATIONS,
+        help="an eagle head's draft layers over int8 weights where the CPU can (int8), or as loaded (none, default)",
+    )
     remote = parser.add_argument_group("through a router (--router)")
     remote.add_argument("--router", metavar="HOST:PORT", help="generate on a router instead of in this process")
     remote.add_argument(
@@ -117,15 +122,16 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("max_tokens", f"must be >= 1, got {args.max_tokens}")
     dtype = check_dtype(args.dtype or "float32")
     if args.router:
-        if args.dtype or args.device:
-            field = "dtype" if args.dtype else "device"
+        worker_settings = {"dtype": args.dtype, "device": args.device, "draft_quantization": args.draft_quantization}
+        if any(worker_settings.values()):
+            field = next(name for name, value in worker_settings.items() if value)
             raise InvalidArgumentError(field, "is the serving workers' setting, not a request's: drop it with --router")
         return _run_on_router(args)
     if args.stop or args.speculation:
         raise InvalidArgumentError("stop" if args.stop else "speculation", "is only supported with --router")
     import torch
 
-    from specdec.drafters import DraftConfig, build_drafter  # the model stack: only to generate in this process
+    from specdec.drafters import DraftConfig, build_drafter, check_quantizable  # the model stack: only here
     from specdec.engine import Engine, GenerationRequest
     from specdec.models import load_model, quiet_model_loading
     from specdec.runner import KVRunner
@@ -138,9 +144,15 @@ def _run_generate(args: argparse.Namespace) -> int:
         draft_top_k=args.draft_top_k,
         tree_sampling=args.tree_sampling,
     )
+    check_quantizable(args.drafter or "ngram", args.draft_quantization or "none")
     target = load_model(args.target, dtype=getattr(torch, dtype), device=args.device or "cpu")
     drafter = build_drafter(
-        args.drafter or "ngram", target, config, draft_model=args.draft_model, early_exit_layers=args.early_exit_layers
+        args.drafter or "ngram",
+        target,
+        config,
+        draft_model=args.draft_model,
+        early_exit_layers=args.early_exit_layers,
+        draft_quantization=args.draft_quantization or "none",
     )
     engine = Engine(KVRunner(target.model), target.eos_token_ids, drafter)
     request = GenerationRequest(

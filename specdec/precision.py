@@ -1,5 +1,6 @@
-"""The precisions a model loads in, by name: one list for every command and worker that loads a model (torch-free, so
-the services' configuration can check a name without importing torch)."""
+"""The precisions a model loads in, and what a draft head's layers may be quantized to, by name: one list for every
+command and worker that loads a model (torch-free, so the services' configuration can check a name without importing
+torch)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,16 @@ def check_dtype(dtype: str) -> str:
     if dtype not in MODEL_DTYPES:
         raise InvalidArgumentError("dtype", f"must be one of {', '.join(MODEL_DTYPES)}, got {dtype!r}")
     return dtype
+
+
+DRAFT_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
+
+
+def check_draft_quantization(quantization: str) -> str:
+    """``quantization`` when it names one of :data:`DRAFT_QUANTIZATIONS` (what an EAGLE head's draft layers run on:
+    :class:`~specdec.drafters.eagle.EagleDrafter`); InvalidArgumentError naming ``draft_quantization`` otherwise."""
+    if quantization not in DRAFT_QUANTIZATIONS:
+        raise InvalidArgumentError(
+            "draft_quantization", f"must be one of {', '.join(DRAFT_QUANTIZATIONS)}, got {quantization!r}"
+        )
+    return quantization

@@ -87,6 +87,11 @@ BAD_ARGUMENTS = {
     "dtype float64": (["Hello", "--dtype", "float64"], ("dtype",)),
     "dtype with --router": (["Hello", "--router", "127.0.0.1:1", "--dtype", "bfloat16"], ("dtype",)),
     "device with --router": (["Hello", "--router", "127.0.0.1:1", "--device", "cpu"], ("device",)),
+    "draft-quantization with --router": (
+        ["Hello", "--router", "127.0.0.1:1", "--draft-quantization", "int8"],
+        ("draft_quantization",),
+    ),
+    "int8 ngram drafter": (["Hello", "--drafter", "ngram", "--draft-quantization", "int8"], ("draft_quantization",)),
 }
 
 

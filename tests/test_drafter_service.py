@@ -469,12 +469,16 @@ def test_config_from_flags_over_environment() -> None:
         5,
     )
     assert DrafterConfig.from_args([], {"SPECDEC_DRAFTER_KIND": "ngram"}).kind == "ngram"
+    eagle = DrafterConfig.from_args(["--kind", "eagle"], {"SPECDEC_DRAFTER_DRAFT_QUANTIZATION": "int8"})
+    assert eagle.draft_quantization == "int8"
     for kwargs, field in [
         ({"kind": "none"}, "kind"),
         ({"kind": "model"}, "draft_model"),
         ({"kind": "ngram", "num_draft_tokens": 0}, "num_draft_tokens"),
         ({"kind": "ngram", "max_batch_size": 0}, "max_batch_size"),
         ({"kind": "ngram", "dtype": "int8"}, "dtype"),
+        ({"kind": "ngram", "draft_quantization": "int8"}, "draft_quantization"),
+        ({"kind": "eagle", "draft_quantization": "int4"}, "draft_quantization"),
     ]:
         with pytest.raises(ValueError, match=field):
             DrafterConfig(**kwargs)
@@ -549,14 +553,16 @@ def test_a_commit_cancels_the_predrafts_it_names_queued_running_or_late(scripted
     assert scheduler.status().result(TIMEOUT_S).cancelled == 3
 
 
-@pytest.mark.parametrize("kind", ["ngram", "eagle"])
+@pytest.mark.parametrize(("kind", "quantization"), [("ngram", "none"), ("eagle", "none"), ("eagle", "int8")])
 def test_a_drafter_that_runs_no_target_weights_never_loads_them(
-    kind: str, target: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kind: str, quantization: str, target: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ngram and eagle drafters read the target's config (its sizes) only: a drafter machine serving them for a
-    70B target must not hold its weights. Loading any model's weights fails here; the drafter still drafts."""
+    70B target must not hold its weights. Loading any model's weights fails here; the drafter still drafts (an
+    eagle head with ``--draft-quantization int8`` over int8 weights)."""
     from specdec.drafters import EagleDrafter, NgramDrafter
     from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+    from specdec.linear import Int8Linear
 
     target.model.save_pretrained(tmp_path / "target")
     head = EagleHead.from_target(target.model, torch.arange(VOCAB))
@@ -567,13 +573,17 @@ def test_a_drafter_that_runs_no_target_weights_never_loads_them(
 
     monkeypatch.setattr("specdec.models.AutoModelForCausalLM.from_pretrained", no_weights)
     config = DrafterConfig(
-        kind=kind, target=str(tmp_path / "target"), draft_model=str(tmp_path / "head") if kind == "eagle" else None
+        kind=kind,
+        target=str(tmp_path / "target"),
+        draft_model=str(tmp_path / "head") if kind == "eagle" else None,
+        draft_quantization=quantization,
     )
     drafter = build_core_drafter(config)
     assert isinstance(drafter, EagleDrafter if kind == "eagle" else NgramDrafter)
     handle = drafter.open(PROMPT, GREEDY, make_generator(0))
     if kind == "eagle":
         assert drafter.feature_width == 32
+        assert isinstance(drafter.head.lm_head, Int8Linear) == (quantization == "int8")
         drafter.add_features(handle, 0, torch.randn(len(PROMPT) - 1, 32))
     [proposal] = drafter.propose([handle], [3])
     assert len(proposal.tree) == 3

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from specdec.distill.data import generate_examples
 from specdec.distill.train import (
@@ -32,6 +33,7 @@ from specdec.drafters.base import Proposal
 from specdec.drafters.eagle_head import EagleHead, HeadInfo, load_head, save_head
 from specdec.engine import Engine, GenerationRequest
 from specdec.errors import IncompatibleDraftError, InvalidArgumentError, ModelNotFoundError
+from specdec.linear import Int8Linear
 from specdec.models import LoadedModel
 from specdec.runner import ForwardItem, KVRunner
 from specdec.sampling import SamplingParams, make_generator
@@ -396,26 +398,31 @@ def test_training_raises_held_out_acceptance(target: LoadedModel, feature_layers
 
 
 @pytest.mark.parametrize(
-    ("config", "dtype"),
+    ("config", "dtype", "quantization"),
     [
-        (DraftConfig(num_draft_tokens=3, draft_top_k=0), torch.float32),
-        (DraftConfig(num_draft_tokens=2, tree_width=2, draft_top_k=0), torch.float32),
-        (DraftConfig(num_draft_tokens=3, draft_top_k=0), torch.bfloat16),
+        (DraftConfig(num_draft_tokens=3, draft_top_k=0), torch.float32, "none"),
+        (DraftConfig(num_draft_tokens=2, tree_width=2, draft_top_k=0), torch.float32, "none"),
+        (DraftConfig(num_draft_tokens=3, draft_top_k=0), torch.bfloat16, "none"),
+        (DraftConfig(num_draft_tokens=3, draft_top_k=0), torch.float32, "int8"),
+        (DraftConfig(num_draft_tokens=2, tree_width=2, draft_top_k=0), torch.float32, "int8"),
     ],
-    ids=["chain", "tree", "chain-bfloat16-head"],
+    ids=["chain", "tree", "chain-bfloat16-head", "chain-int8-head", "tree-int8-head"],
 )
 def test_colocated_eagle_keeps_the_target_law(
-    target: LoadedModel, config: DraftConfig, dtype: torch.dtype, tmp_path: Path
+    target: LoadedModel, config: DraftConfig, dtype: torch.dtype, quantization: str, tmp_path: Path
 ) -> None:
     """Seeded chi-square of the law of the 2nd and 3rd emitted tokens with an eagle drafter against target-only
     sampling. The first round of a sequence drafts nothing (no features yet), so these are the first tokens an
     eagle proposal decides (a chain of 3, or a tree of width 2, depth 2); 4000 draws each, significance 1e-3.
-    A head loaded in bfloat16 drafts from a float32 target's rows: its q is whatever it computes, still exact.
+    A head loaded in bfloat16, or with int8 draft layers, drafts from a float32 target's rows: its q is whatever it
+    computes, still exact.
     """
     from scipy.stats import chi2_contingency
 
     save_head(random_head(target, seed=2), tmp_path, HeadInfo(verifier=target.name, num_draft_tokens=3))
-    eagle = EagleDrafter.load(tmp_path, config, hidden_size=32, vocab_size=VOCAB, dtype=dtype)
+    eagle = EagleDrafter.load(
+        tmp_path, config, hidden_size=32, vocab_size=VOCAB, dtype=dtype, quantization=quantization
+    )
     runner = KVRunner(target.model)
     prompt = [1, 5, 3]
     counts = []
@@ -454,6 +461,36 @@ def test_a_bfloat16_head_keeps_float32_rotary_frequencies_and_drafts_like_the_fl
         drafter.add_features(handle, 0, features[:8])
         trees.append(drafter.propose([handle], [3])[0].tree)
     assert len(trees[1]) == 3 and trees[1].tokens[0] == trees[0].tokens[0]
+
+
+def test_an_int8_head_runs_its_draft_layers_on_int8_weights_and_reads_the_targets_rows_as_loaded(
+    target: LoadedModel, tmp_path: Path
+) -> None:
+    """``quantization="int8"``: the decoder layers and the LM head (what every draft level runs) over int8 weights,
+    ``fc`` (the target's rows, once a round) as it was; the head's logits stay near the float32 head's."""
+    save_head(random_head(target, seed=3, feature_layers=FUSED), tmp_path, HeadInfo(target.name, 3))
+    config = DraftConfig(num_draft_tokens=3)
+    full, int8 = (
+        EagleDrafter.load(tmp_path, config, hidden_size=32, vocab_size=VOCAB, quantization=quantization)
+        for quantization in ("none", "int8")
+    )
+    layers = [module for module in int8.head.layers.modules() if isinstance(module, (nn.Linear, Int8Linear))]
+    assert layers and all(isinstance(module, Int8Linear) for module in layers)
+    assert isinstance(int8.head.lm_head, Int8Linear) and not isinstance(int8.head.fc, Int8Linear)
+    assert not any(isinstance(module, Int8Linear) for module in full.head.modules())
+    states = torch.randn(6, 32, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        exact, coarse = full.head.logits(states), int8.head.logits(states)
+    assert float((exact - coarse).abs().max()) < 0.05 * float(exact.abs().max())
+    assert not torch.equal(exact, coarse)
+
+
+def test_only_an_eagle_head_can_be_quantized(target: LoadedModel, tmp_path: Path) -> None:
+    save_head(random_head(target), tmp_path, HeadInfo(target.name, 3))
+    with pytest.raises(InvalidArgumentError, match=r"^draft_quantization: only an eagle drafter's head"):
+        build_drafter("ngram", target, DraftConfig(), draft_quantization="int8")
+    with pytest.raises(InvalidArgumentError, match=r"^draft_quantization: must be one of none, int8, got 'int4'"):
+        build_drafter("eagle", target, DraftConfig(), draft_model=str(tmp_path), draft_quantization="int4")
 
 
 def test_held_out_agreement_counts_a_target_token_outside_the_draft_vocabulary_as_a_miss(target: LoadedModel) -> None:

@@ -19,6 +19,7 @@ from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import InvalidArgumentError, ModelNotFoundError
 from specdec.models import LoadedModel, ModelShape, check_same_vocabulary, load_model, usable_device
+from specdec.precision import check_draft_quantization
 from specdec.runner import KVRunner
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "SequenceDrafter",
     "build_drafter",
     "build_shape_drafter",
+    "check_quantizable",
     "default_early_exit_layers",
 ]
 
@@ -41,6 +43,13 @@ __all__ = [
 def default_early_exit_layers(target: LoadedModel) -> int:
     """A quarter of the target's layers (at least one): cheap enough to pay for itself."""
     return max(1, target.model.config.num_hidden_layers // 4)
+
+
+def check_quantizable(kind: str, quantization: str) -> None:
+    """InvalidArgumentError naming ``draft_quantization`` unless it is a known one that a ``kind`` drafter can run:
+    only an eagle head's layers can be quantized (the other kinds run no weights or the target's own)."""
+    if check_draft_quantization(quantization) != "none" and kind != "eagle":
+        raise InvalidArgumentError("draft_quantization", f"only an eagle drafter's head can be quantized, not {kind!r}")
 
 
 def build_drafter(
@@ -52,14 +61,16 @@ def build_drafter(
     early_exit_layers: int | None = None,
     head_dtype: torch.dtype | None = None,
     eagle_context: int = HEAD_CONTEXT,
+    draft_quantization: str = "none",
 ) -> Drafter | None:
     """The drafter of ``kind`` for ``target`` (``None`` for ``kind == "none"``).
 
     ``eagle`` loads the head in ``draft_model`` (a directory), or with none the head cached for the target
     (:func:`~specdec.cache.default_head_dir`, made by ``specdec distill``), on the target's device in
-    ``head_dtype`` (None: the target's dtype), attending over ``eagle_context`` head positions
-    (:class:`~specdec.drafters.eagle.EagleDrafter`).
+    ``head_dtype`` (None: the target's dtype), attending over ``eagle_context`` head positions, its draft layers
+    ``draft_quantization`` (:class:`~specdec.drafters.eagle.EagleDrafter`); only an eagle head can be quantized.
     """
+    check_quantizable(kind, draft_quantization)
     if kind in SHAPE_ONLY_KINDS:
         if kind == "eagle" and isinstance(draft_model, LoadedModel):
             raise InvalidArgumentError("draft_model", "the eagle drafter needs a head directory, not a model")
@@ -71,6 +82,7 @@ def build_drafter(
             dtype=head_dtype or target.model.dtype,
             device=target.model.device,
             eagle_context=eagle_context,
+            quantization=draft_quantization,
         )
     if kind == "model":
         if draft_model is None:
@@ -96,9 +108,12 @@ def build_shape_drafter(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     eagle_context: int = HEAD_CONTEXT,
+    quantization: str = "none",
 ) -> Drafter | None:
     """A drafter of one of :data:`SHAPE_ONLY_KINDS`, which run none of the target's weights, from the target's
-    sizes alone (:func:`~specdec.models.load_shape`); ``eagle``: its head in ``dtype`` on ``device``."""
+    sizes alone (:func:`~specdec.models.load_shape`); ``eagle``: its head in ``dtype`` on ``device``, its draft
+    layers ``quantization`` (only an eagle head's can be)."""
+    check_quantizable(kind, quantization)
     if kind == "none":
         return None
     if kind == "ngram":
@@ -119,4 +134,5 @@ def build_shape_drafter(
         dtype=dtype,
         device=usable_device(device),
         context=eagle_context,
+        quantization=quantization,
     )

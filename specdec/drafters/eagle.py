@@ -56,6 +56,7 @@ from specdec.drafters.model import (
 )
 from specdec.errors import InvalidArgumentError
 from specdec.linear import packed_for_inference
+from specdec.precision import check_draft_quantization
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
@@ -135,13 +136,23 @@ class _PackedAttention:
 
 class EagleDrafter(SequenceDrafter[_Sequence]):
     """Chains or trees drafted by an EAGLE ``head``; batched across sequences (one forward per level). A round
-    attends over the head KV of at most ``context`` head positions (see the module)."""
+    attends over the head KV of at most ``context`` head positions (see the module).
 
-    def __init__(self, head: EagleHead, config: DraftConfig, context: int = HEAD_CONTEXT) -> None:
+    ``quantization`` ``"int8"`` runs the layers a draft level goes through (the decoder layers and the LM head)
+    over int8 weights where the CPU can (:class:`~specdec.linear.Int8Linear`): q is computed from those, so the
+    output law is unchanged and only acceptance can move. ``fc``, which reads the target's rows once per round,
+    stays as it is.
+    """
+
+    def __init__(
+        self, head: EagleHead, config: DraftConfig, context: int = HEAD_CONTEXT, quantization: str = "none"
+    ) -> None:
         super().__init__(config, head.vocab_size)
         if context < 1:
             raise InvalidArgumentError("context", f"must be >= 1, got {context}")
-        self.head = packed_for_inference(head)  # float32 on CPU: oneDNN over prepacked weights (specdec.linear)
+        int8 = ("layers", "lm_head") if check_draft_quantization(quantization) == "int8" else ()
+        # float32 on CPU: oneDNN over prepacked weights, or int8 ones (specdec.linear)
+        self.head = packed_for_inference(head, int8_children=int8)
         self.context = context
         self.max_seq_len = int(head.layer_config.max_position_embeddings)
         self._kv_heads = int(head.layer_config.num_key_value_heads)  # the head is never sharded
@@ -161,15 +172,16 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         context: int = HEAD_CONTEXT,
+        quantization: str = "none",
     ) -> EagleDrafter:
         """The head stored in ``directory`` (checked against the target's sizes), its weights in ``dtype`` on
-        ``device``. bfloat16 halves the bytes a draft step reads (on a CPU the head's LM head is memory-bound);
+        ``device``, its draft layers ``quantization`` (see the class). bfloat16 halves the bytes a draft step reads;
         the rotary frequencies stay float32, and q is always computed in float32 from the head's logits."""
         head, _ = load_head(directory, hidden_size=hidden_size, vocab_size=vocab_size)
         head.to(device)
         for parameter in head.parameters():
             parameter.data = parameter.data.to(dtype)
-        return cls(head, config, context)
+        return cls(head, config, context, quantization)
 
     @property
     def feature_width(self) -> int:
