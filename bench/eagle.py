@@ -266,7 +266,9 @@ def acceptance_section(target: LoadedModel, prompts: Sequence[Prompt], settings:
 
 def agreement_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
     """The head's teacher-forced agreement as served (:mod:`bench.eagle_agreement`) beside what training reported."""
-    drafter = build_drafter("eagle", target, SHAPES[BUDGET_SHAPE], draft_model=settings.draft_model)
+    drafter = build_drafter(
+        "eagle", target, SHAPES[BUDGET_SHAPE], draft_model=settings.draft_model, draft_quantization="none"
+    )
     tally = teacher_forced_agreement(
         target, cast(EagleDrafter, drafter), [p.token_ids for p in prompts], settings.max_tokens
     )
@@ -318,7 +320,12 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
 
     ngram = build_drafter("ngram", target, DraftConfig(num_draft_tokens=4))
     bfloat16_head = build_drafter(
-        "eagle", target, SHAPES[BUDGET_SHAPE], draft_model=settings.draft_model, head_dtype=torch.bfloat16
+        "eagle",
+        target,
+        SHAPES[BUDGET_SHAPE],
+        draft_model=settings.draft_model,
+        head_dtype=torch.bfloat16,
+        draft_quantization="none",
     )
     int8 = eagle_drafters(target, settings.draft_model, INT8_SHAPES, quantization="int8")
     greedy: dict[str, Generate] = {
@@ -360,7 +367,9 @@ def budgets_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Se
     depth = SHAPES[BUDGET_SHAPE].num_draft_tokens
     rows = []
     for directory in settings.budget_heads:
-        drafter = build_drafter("eagle", target, SHAPES[BUDGET_SHAPE], draft_model=str(directory))
+        drafter = build_drafter(
+            "eagle", target, SHAPES[BUDGET_SHAPE], draft_model=str(directory), draft_quantization="none"
+        )
         configs = {BUDGET_SHAPE: (recording_engine(target, drafter), GREEDY)}
         tallies = measure(configs, prompts, settings.max_tokens, f"budget head {directory}")[BUDGET_SHAPE]
         summary = head_summary(directory)

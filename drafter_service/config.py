@@ -41,7 +41,8 @@ class DrafterConfig:
     ``max_proposal_nodes`` nodes, its text (prompt + committed) at most ``max_seq_len`` tokens, a Batch at most
     ``max_batch_calls`` calls. ``eagle_context`` (default 640, the span ``specdec distill`` trains a head on) is how
     many head positions an eagle drafter attends over, and so how many of a prompt's feature rows it is sent;
-    ``draft_quantization`` (``none``, ``int8``) what its head's draft layers run on (only an eagle head's can be int8).
+    ``draft_quantization`` (``auto``, ``none``, ``int8``) what its head's draft layers run on (only an eagle head's
+    can be int8; ``auto``: int8 where a float32 head runs on a CPU that can).
     """
 
     kind: str
@@ -69,7 +70,7 @@ class DrafterConfig:
     max_batch_calls: int = 1024
     max_seq_len: int = 32768
     eagle_context: int | None = None  # None: the head's default (HEAD_CONTEXT)
-    draft_quantization: str = "none"
+    draft_quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.arrival_wait <= 1:
@@ -167,7 +168,8 @@ class DrafterConfig:
         option(
             "draft_quantization",
             str,
-            "an eagle head's draft layers over int8 weights where the CPU can (int8), or as loaded (none)",
+            "an eagle head's draft layers over int8 weights (int8), as loaded (none), or int8 where a float32 head "
+            "runs on a CPU that can (auto)",
             choices=DRAFT_QUANTIZATIONS,
         )
         add_tls_arguments(parser, ENV_PREFIX, environ)

@@ -64,7 +64,8 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--draft-quantization",
         choices=DRAFT_QUANTIZATIONS,
-        help="an eagle head's draft layers over int8 weights where the CPU can (int8), or as loaded (none, default)",
+        help="an eagle head's draft layers over int8 weights (int8), as loaded (none), or int8 where a float32 head "
+        "runs on a CPU that can (auto, the default)",
     )
     remote = parser.add_argument_group("through a router (--router)")
     remote.add_argument("--router", metavar="HOST:PORT", help="generate on a router instead of in this process")
@@ -144,7 +145,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         draft_top_k=args.draft_top_k,
         tree_sampling=args.tree_sampling,
     )
-    check_quantizable(args.drafter or "ngram", args.draft_quantization or "none")
+    check_quantizable(args.drafter or "ngram", args.draft_quantization or "auto")
     target = load_model(args.target, dtype=getattr(torch, dtype), device=args.device or "cpu")
     drafter = build_drafter(
         args.drafter or "ngram",
@@ -152,7 +153,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         config,
         draft_model=args.draft_model,
         early_exit_layers=args.early_exit_layers,
-        draft_quantization=args.draft_quantization or "none",
+        draft_quantization=args.draft_quantization or "auto",
     )
     engine = Engine(KVRunner(target.model), target.eos_token_ids, drafter)
     request = GenerationRequest(

@@ -29,29 +29,33 @@ from torch import nn
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
-def can_pack(module: nn.Linear) -> bool:
-    """Whether ``module`` can run as a packed :class:`Projection`: float32 weights in a plain CPU tensor (not a
-    tensor-parallel shard), no hooks on it (tensor parallelism's all-reduce is one), and oneDNN in this torch."""
+def _plain_cpu_float32(module: nn.Linear) -> bool:
+    """Float32 weights in a plain CPU tensor (not a tensor-parallel shard) and no hooks on the module (tensor
+    parallelism's all-reduce is one): what a copy of its weights for another kernel may stand in for."""
     weight = module.weight
     return (
         type(weight.data) is torch.Tensor
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and not (module._forward_hooks or module._forward_pre_hooks)
+    )
+
+
+def can_pack(module: nn.Linear) -> bool:
+    """Whether ``module`` can run as a packed :class:`Projection`: :func:`_plain_cpu_float32`, and oneDNN in this
+    torch."""
+    return (
+        _plain_cpu_float32(module)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 
 
 def can_quantize(module: nn.Linear) -> bool:
-    """Whether ``module`` can run as an :class:`Int8Linear`: what :func:`can_pack` asks, with torch's quantized engine
-    for x86 CPUs (fbgemm / oneDNN) in place of oneDNN's float32 kernels."""
-    weight = module.weight
+    """Whether ``module`` can run as an :class:`Int8Linear`: :func:`_plain_cpu_float32`, and torch's quantized engine
+    for x86 CPUs (fbgemm / oneDNN) with its dynamic linear kernel in this torch."""
     return (
-        type(weight.data) is torch.Tensor
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and not (module._forward_hooks or module._forward_pre_hooks)
+        _plain_cpu_float32(module)
         and torch.backends.quantized.engine in ("x86", "fbgemm")
         and hasattr(torch.ops.quantized, "linear_dynamic")
     )

@@ -16,12 +16,14 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
-DRAFT_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
+# What an EAGLE head's draft layers run on (:class:`~specdec.drafters.eagle.EagleDrafter`): ``auto`` int8 weights where
+# the head is float32 on a CPU that runs them, as loaded elsewhere; ``none`` as loaded; ``int8`` int8 or refused.
+DRAFT_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8")
 
 
 def check_draft_quantization(quantization: str) -> str:
-    """``quantization`` when it names one of :data:`DRAFT_QUANTIZATIONS` (what an EAGLE head's draft layers run on:
-    :class:`~specdec.drafters.eagle.EagleDrafter`); InvalidArgumentError naming ``draft_quantization`` otherwise."""
+    """``quantization`` when it names one of :data:`DRAFT_QUANTIZATIONS`; InvalidArgumentError naming
+    ``draft_quantization`` otherwise."""
     if quantization not in DRAFT_QUANTIZATIONS:
         raise InvalidArgumentError(
             "draft_quantization", f"must be one of {', '.join(DRAFT_QUANTIZATIONS)}, got {quantization!r}"

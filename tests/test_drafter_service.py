@@ -553,13 +553,13 @@ def test_a_commit_cancels_the_predrafts_it_names_queued_running_or_late(scripted
     assert scheduler.status().result(TIMEOUT_S).cancelled == 3
 
 
-@pytest.mark.parametrize(("kind", "quantization"), [("ngram", "none"), ("eagle", "none"), ("eagle", "int8")])
+@pytest.mark.parametrize(("kind", "quantization"), [("ngram", "auto"), ("eagle", "none"), ("eagle", "auto")])
 def test_a_drafter_that_runs_no_target_weights_never_loads_them(
     kind: str, quantization: str, target: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ngram and eagle drafters read the target's config (its sizes) only: a drafter machine serving them for a
     70B target must not hold its weights. Loading any model's weights fails here; the drafter still drafts (an
-    eagle head with ``--draft-quantization int8`` over int8 weights)."""
+    eagle head by default, ``--draft-quantization auto``, over int8 weights on this CPU)."""
     from specdec.drafters import EagleDrafter, NgramDrafter
     from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
     from specdec.linear import Int8Linear
@@ -583,7 +583,7 @@ def test_a_drafter_that_runs_no_target_weights_never_loads_them(
     handle = drafter.open(PROMPT, GREEDY, make_generator(0))
     if kind == "eagle":
         assert drafter.feature_width == 32
-        assert isinstance(drafter.head.lm_head, Int8Linear) == (quantization == "int8")
+        assert isinstance(drafter.head.lm_head, Int8Linear) == (quantization == "auto")  # the default
         drafter.add_features(handle, 0, torch.randn(len(PROMPT) - 1, 32))
     [proposal] = drafter.propose([handle], [3])
     assert len(proposal.tree) == 3

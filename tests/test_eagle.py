@@ -485,11 +485,28 @@ def test_an_int8_head_runs_its_draft_layers_on_int8_weights_and_reads_the_target
     assert not torch.equal(exact, coarse)
 
 
+def test_auto_quantizes_a_float32_cpu_head_only_and_int8_refuses_what_it_cannot_run(
+    target: LoadedModel, tmp_path: Path
+) -> None:
+    """``auto`` (the default of ``build_drafter``, the CLI and the drafter service): int8 for a float32 head on this
+    CPU, the head as loaded otherwise; ``int8`` for a bfloat16 head is a one-line error naming the field."""
+    save_head(random_head(target), tmp_path, HeadInfo(target.name, 3))
+    default = build_drafter("eagle", target, DraftConfig(), draft_model=str(tmp_path))
+    assert isinstance(default.head.lm_head, Int8Linear)
+    sizes = {"hidden_size": 32, "vocab_size": VOCAB, "dtype": torch.bfloat16}
+    half = EagleDrafter.load(tmp_path, DraftConfig(), **sizes, quantization="auto")
+    assert not any(isinstance(module, Int8Linear) for module in half.head.modules())
+    with pytest.raises(InvalidArgumentError, match=r"^draft_quantization: int8 needs a float32 head") as error:
+        EagleDrafter.load(tmp_path, DraftConfig(), **sizes, quantization="int8")
+    assert "torch.bfloat16" in str(error.value) and "\n" not in str(error.value)
+
+
 def test_only_an_eagle_head_can_be_quantized(target: LoadedModel, tmp_path: Path) -> None:
     save_head(random_head(target), tmp_path, HeadInfo(target.name, 3))
     with pytest.raises(InvalidArgumentError, match=r"^draft_quantization: only an eagle drafter's head"):
         build_drafter("ngram", target, DraftConfig(), draft_quantization="int8")
-    with pytest.raises(InvalidArgumentError, match=r"^draft_quantization: must be one of none, int8, got 'int4'"):
+    assert build_drafter("ngram", target, DraftConfig(), draft_quantization="auto") is not None
+    with pytest.raises(InvalidArgumentError, match=r"^draft_quantization: must be one of auto, none, int8, got 'int4'"):
         build_drafter("eagle", target, DraftConfig(), draft_model=str(tmp_path), draft_quantization="int4")
 
 

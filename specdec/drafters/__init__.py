@@ -47,8 +47,9 @@ def default_early_exit_layers(target: LoadedModel) -> int:
 
 def check_quantizable(kind: str, quantization: str) -> None:
     """InvalidArgumentError naming ``draft_quantization`` unless it is a known one that a ``kind`` drafter can run:
-    only an eagle head's layers can be quantized (the other kinds run no weights or the target's own)."""
-    if check_draft_quantization(quantization) != "none" and kind != "eagle":
+    only an eagle head's layers can be int8 (the other kinds run no weights or the target's own; ``auto`` leaves
+    them as they are)."""
+    if check_draft_quantization(quantization) == "int8" and kind != "eagle":
         raise InvalidArgumentError("draft_quantization", f"only an eagle drafter's head can be quantized, not {kind!r}")
 
 
@@ -61,14 +62,15 @@ def build_drafter(
     early_exit_layers: int | None = None,
     head_dtype: torch.dtype | None = None,
     eagle_context: int = HEAD_CONTEXT,
-    draft_quantization: str = "none",
+    draft_quantization: str = "auto",
 ) -> Drafter | None:
     """The drafter of ``kind`` for ``target`` (``None`` for ``kind == "none"``).
 
     ``eagle`` loads the head in ``draft_model`` (a directory), or with none the head cached for the target
     (:func:`~specdec.cache.default_head_dir`, made by ``specdec distill``), on the target's device in
     ``head_dtype`` (None: the target's dtype), attending over ``eagle_context`` head positions, its draft layers
-    ``draft_quantization`` (:class:`~specdec.drafters.eagle.EagleDrafter`); only an eagle head can be quantized.
+    ``draft_quantization`` (:class:`~specdec.drafters.eagle.EagleDrafter`; ``auto``: int8 where a float32 head runs
+    on a CPU that can); only an eagle head can be int8.
     """
     check_quantizable(kind, draft_quantization)
     if kind in SHAPE_ONLY_KINDS:
@@ -108,7 +110,7 @@ def build_shape_drafter(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     eagle_context: int = HEAD_CONTEXT,
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> Drafter | None:
     """A drafter of one of :data:`SHAPE_ONLY_KINDS`, which run none of the target's weights, from the target's
     sizes alone (:func:`~specdec.models.load_shape`); ``eagle``: its head in ``dtype`` on ``device``, its draft

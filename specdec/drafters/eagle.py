@@ -55,7 +55,7 @@ from specdec.drafters.model import (
     mark_stopped,
 )
 from specdec.errors import InvalidArgumentError
-from specdec.linear import packed_for_inference
+from specdec.linear import can_quantize, packed_for_inference
 from specdec.precision import check_draft_quantization
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -139,9 +139,10 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     attends over the head KV of at most ``context`` head positions (see the module).
 
     ``quantization`` ``"int8"`` runs the layers a draft level goes through (the decoder layers and the LM head)
-    over int8 weights where the CPU can (:class:`~specdec.linear.Int8Linear`): q is computed from those, so the
-    output law is unchanged and only acceptance can move. ``fc``, which reads the target's rows once per round,
-    stays as it is.
+    over int8 weights (:class:`~specdec.linear.Int8Linear`; a float32 head on a CPU with torch's x86 quantized
+    engine, or it is refused); ``"auto"`` does where that holds and runs the head as loaded elsewhere. q is computed
+    from those layers, so the output law is unchanged and only acceptance can move. ``fc``, which reads the
+    target's rows once a round, stays as it is.
     """
 
     def __init__(
@@ -150,7 +151,15 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         super().__init__(config, head.vocab_size)
         if context < 1:
             raise InvalidArgumentError("context", f"must be >= 1, got {context}")
-        int8 = ("layers", "lm_head") if check_draft_quantization(quantization) == "int8" else ()
+        quantizable = can_quantize(head.lm_head)
+        if check_draft_quantization(quantization) == "int8" and not quantizable:
+            weight = head.lm_head.weight
+            raise InvalidArgumentError(
+                "draft_quantization",
+                f"int8 needs a float32 head on a CPU with torch's x86 quantized engine, not {weight.dtype} on "
+                f"{weight.device} with {torch.backends.quantized.engine!r}",
+            )
+        int8 = ("layers", "lm_head") if quantization != "none" and quantizable else ()
         # float32 on CPU: oneDNN over prepacked weights, or int8 ones (specdec.linear)
         self.head = packed_for_inference(head, int8_children=int8)
         self.context = context
