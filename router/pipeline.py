@@ -778,6 +778,7 @@ class Session:
         """Tell the controller what this round accepted and cost (a forward the verifier did not size is skipped)."""
         assert self._controller is not None and self._tracker is not None
         verified = record.verified
+        caught_up = self._tracker.idle_rounds == 0  # the last round drafted too (read before the verdict resets it)
         self._controller.observe_verdict(self._tracker, depth, len(verified.accepted_path))
         if verified.forward_positions > 0:
             if self.stats.rounds > 1:  # the first verdict's forward holds this request's own prompt
@@ -786,7 +787,10 @@ class Session:
             forward_s, draft_s = verified.verify_ns / 1e9, record.exposed_draft_ns / 1e9
             waited_s = max(record.drafter_wait_ns / 1e9, draft_s)
             other_s = record.wall_ns / 1e9 - forward_s - waited_s
-            drafted_levels = depth if record.exposed_draft_ns else 0  # a pre-draft's levels cost this round nothing
+            # A pre-draft's levels cost this round nothing. A draft after plain rounds is not a level's cost either: it
+            # includes the drafter catching up on every token committed meanwhile (an EAGLE head runs over them), and
+            # priced as levels that kept auto from drafting at all (adaptive.py's module docstring).
+            drafted_levels = depth if record.exposed_draft_ns and caught_up else 0
             call_s = waited_s - draft_s if drafted_levels else None
             rows = rows_per_level(record.draft_size, depth)
             self._controller.observe_round(

@@ -35,6 +35,11 @@ round that accepts anything resets it: a probe is not free (on a CPU an EAGLE dr
 runs its head over the whole prompt, and the forward grows by a position), and with a draft that never paid, the
 probes were what kept ``auto`` below speculation off under load here (``bench/results/auto-under-load.md``).
 
+A draft level's cost is learnt only from rounds whose request drafted the round before too. A draft after plain
+rounds also catches the drafter up on every token committed meanwhile (an EAGLE head runs over them), so on the CPU
+stack a one-level probe reported 3.6-4 ms where a level costs 0.8: priced as levels, those probes (the only drafts
+``auto`` made) kept it from drafting at all while sequential speculation ran 1.0-1.4x faster than off.
+
 The choice is a control decision only: whatever proposal goes out, the verifier's acceptance rule keeps the output
 distribution exactly the target's, so no choice here can change what is sampled.
 """

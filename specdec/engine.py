@@ -192,12 +192,15 @@ class Engine:
     ) -> None:
         """Tell the controller what each sequence accepted and what the round cost."""
         depths = [proposal.tree.max_depth() for proposal in proposals]
+        # a draft after plain rounds caught up on the tokens committed meanwhile: not what its levels cost
+        caught_up = all(s.tracker.idle_rounds == 0 for s, depth in zip(active, depths, strict=True) if depth)
         for sequence, depth, outcome in zip(active, depths, outcomes, strict=True):
             self.controller.observe_verdict(sequence.tracker, depth, outcome.verdict.num_accepted)
         forward = outcomes[0]
         other_s = round_s - draft_s - forward.verify_s
         rows = sum(rows_per_level(len(p.tree), depth) for p, depth in zip(proposals, depths, strict=True))
-        self.controller.observe_round(forward.forward_positions, forward.verify_s, max(depths), draft_s, other_s, rows)
+        levels = max(depths) if caught_up else 0
+        self.controller.observe_round(forward.forward_positions, forward.verify_s, levels, draft_s, other_s, rows)
 
     def _record(
         self, sequence: _Sequence, proposal: Proposal, outcome: VerifyOutcome, draft_s: float, drafter_commit_s: float

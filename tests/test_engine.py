@@ -14,6 +14,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams, make_generator
+from tests.controllers import CyclingController
 from tests.tiny_models import tiny_draft, tiny_llama
 
 VOCAB = 8
@@ -329,3 +330,24 @@ def test_same_seed_same_output(name: str, target, draft) -> None:
     assert alone.token_ids == again.token_ids == fresh.token_ids == first.token_ids == second.token_ids
     by_seed = engine.generate([GenerationRequest(PROMPTS[0], params, 24, seed=seed) for seed in range(8)])
     assert len({tuple(result.token_ids) for result in by_seed}) > 1, "the seed should matter"
+
+
+def test_auto_learns_a_draft_levels_cost_only_from_a_draft_that_follows_a_drafting_round(
+    target: LoadedModel, draft: LoadedModel
+) -> None:
+    """Co-located as through the router: a round's draft time teaches the level cost only when its sequence drafted
+    the round before too (a draft after plain rounds also catches the drafter up on the tokens committed meanwhile)."""
+    levels: list[int] = []
+
+    class Recording(CyclingController):
+        def observe_round(self, positions, forward_s, draft_levels, draft_s, other_s, rows=1, call_s=None) -> None:
+            levels.append(draft_levels)
+            super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
+
+    drafter = build_drafter("model", target, DraftConfig(num_draft_tokens=3), draft_model=draft)
+    cycle = [0, 0, 2, 2, 0, 1, 1, 1]
+    engine = Engine(KVRunner(target.model), frozenset(), drafter, Recording(lengths=cycle))
+    [result] = engine.generate([GenerationRequest([1, 2, 3], SamplingParams(0.0), 24, ignore_eos=True)])
+    assert len(levels) == result.stats.rounds
+    chosen = [cycle[i % 8] for i in range(len(levels))]
+    assert levels == [n if n and chosen[i - 1] else 0 for i, n in enumerate(chosen)]

@@ -682,3 +682,38 @@ def test_auto_drafts_sequentially_when_the_drafting_a_predraft_would_hide_costs_
     assert final.stats.pipeline_hits == final.stats.pipeline_misses == 0
     assert drafter.log.count("propose-assume") == 0
     assert_clean(placement)
+
+
+def test_auto_learns_a_draft_levels_cost_only_from_a_draft_that_follows_a_drafting_round() -> None:
+    """A proposal drafted after plain rounds carries the drafter's catch-up on the tokens committed meanwhile (an
+    EAGLE head runs over them: on the CPU stack such one-level probes reported 3.6-4 ms where a level costs 0.8, and
+    priced as levels they kept ``auto`` from drafting at all). So the controller is told a round's draft levels (and
+    the drafter call's cost) only when the round before drafted too; every round still teaches the forward."""
+    rounds: list[tuple[int, float | None]] = []
+
+    class Recording(CyclingController):
+        def observe_round(self, positions, forward_s, draft_levels, draft_s, other_s, rows=1, call_s=None) -> None:
+            rounds.append((draft_levels, call_s))
+            super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
+
+    class SizedVerifier(FakeVerifier):  # reports its forward's size, as a real verifier does
+        async def verify(self, sequence_id: str, drafted: Drafted | None, **options: bool) -> Verified:
+            verified = await super().verify(sequence_id, drafted, **options)
+            return replace(verified, forward_positions=1 + (len(drafted.tree) if drafted else 0))
+
+    placement = FakePlacement([SizedVerifier()], [FakeDrafter()])
+    controller = Recording(lengths=(0, 0, 2, 2, 0, 1, 1, 1), pipelining=(False,))
+
+    async def emit(chunk: Chunk) -> None:
+        pass
+
+    final = asyncio.run(
+        Session(make_plan("auto", max_tokens=24), placement, emit, sequence_id="s", controller=controller).run()
+    )
+    sizes = final.stats.rounds_per_draft_size
+    assert sizes[0] > 0 and sizes[1] > 0 and sizes[2] > 0
+    cycle = [0, 0, 2, 2, 0, 1, 1, 1]  # the lengths chosen, round by round (each round's proposal is drafted fresh)
+    expected = [cycle[i % 8] if cycle[i % 8] and cycle[(i - 1) % 8] else 0 for i in range(len(rounds))]
+    assert len(rounds) == final.stats.rounds and [levels for levels, _ in rounds] == expected
+    assert all((call_s is None) == (levels == 0) for levels, call_s in rounds)
+    assert_clean(placement)
