@@ -149,6 +149,4 @@ def _packed(module: nn.Module | None, *, int8: bool) -> nn.Module | None:
         return PackedLinear(module) if can_pack(module) else module
     if module is None:
         return None
-    duplicate = copy.copy(module)
-    duplicate._modules = {name: _packed(child, int8=int8) for name, child in module._modules.items()}
-    return duplicate
+    return packed_for_inference(module, int8_children=module._modules.keys() if int8 else ())
