@@ -1,9 +1,10 @@
 """What the router costs per round, on the simulated stack (real router process, simulated workers), by event loop,
-workers' arrival wait and router-to-worker transport.
+workers' arrival wait, router-to-worker transport and the router's garbage collector policy.
 
 Two measurements, each configuration a short closed-loop run (``--duration`` seconds after one uncounted wave of
-warm-up requests), the variants (every combination of ``--event-loop``, ``--arrival-wait`` and ``--transport``)
-interleaved at every stream count (one stack per variant, all started up front, so machine drift hits each alike):
+warm-up requests), the variants (every combination of ``--event-loop``, ``--arrival-wait``, ``--transport`` and
+``--gc``) interleaved at every stream count (one stack per variant, all started up front, so machine drift hits each
+alike):
 
 1. **Router CPU and overhead per round** at ``--streams`` concurrent streams, the default simulated latencies
    (:class:`bench.load.simulate.SimulationConfig`). CPU per round = the router process's own CPU clock (utime +
@@ -21,7 +22,8 @@ interleaved at every stream count (one stack per variant, all started up front, 
 
 The simulated devices sleep once per batch (:mod:`bench.load.simulated.device`), so a batch of N costs what a batch
 of one does plus ``verify_per_seq_ms`` per sequence (0 in part 2). The load generator runs in this process on its
-own (uvloop) loop; ``--event-loop`` sets ``SPECDEC_EVENT_LOOP`` of the stack's processes (router and workers).
+own (uvloop) loop; ``--event-loop`` sets ``SPECDEC_EVENT_LOOP`` of the stack's processes (router and workers),
+``--gc`` the router's ``SPECDEC_GC`` (:mod:`specdec.gc_policy`).
 Writes ``NAME.json`` and ``NAME.md`` into ``--result-dir``.
 
     nice -n 5 python -m bench.overhead --streams 1,64,500 --bound-streams 1,8,32,128 --event-loop uvloop,asyncio
@@ -48,7 +50,7 @@ from bench.load.summary import summarize
 from bench.load.workload import RequestOptions, load_prompts
 from bench.services import process_cpu_s
 from grpc_common.arrivals import DEFAULT_FRACTION
-from specdec import eventloop
+from specdec import eventloop, gc_policy
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "load.jsonl"
 TARGET_CPU_MS = 0.2  # router CPU per round (issue 15)
@@ -107,8 +109,8 @@ async def run_part(
     duration_s: float,
     log_dir: Path,
 ) -> list[dict[str, Any]]:
-    """Every stream count on every stack of ``configs`` (one per variant: event loop, arrival wait, transport), the
-    variants' order alternating."""
+    """Every stream count on every stack of ``configs`` (one per variant: event loop, arrival wait, transport, garbage
+    collector), the variants' order alternating."""
     prompts = load_prompts(PROMPTS)
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stacks:
@@ -123,6 +125,7 @@ async def run_part(
                 row["event_loop"] = configs[label].event_loop
                 row["arrival_wait"] = configs[label].arrival_wait
                 row["transport"] = _transport(configs[label])
+                row["gc"] = configs[label].gc_policy
                 rows.append(row)
                 print(json.dumps(_rounded(row)), file=sys.stderr, flush=True)
     return rows
@@ -155,6 +158,10 @@ def _wait(row: dict[str, Any]) -> str:
     return format(row["arrival_wait"], "g")
 
 
+def _gc(row: dict[str, Any]) -> str:
+    return row.get("gc") or "default"  # rows of runs before the router's policy existed
+
+
 def _transport(config: SimulationConfig) -> str:
     return "stream" if config.worker_streams else "unary"
 
@@ -185,13 +192,14 @@ def _overhead_section(document: dict[str, Any]) -> list[str]:
         "",
         "Targets (issue 15): router CPU ≤ 0.2 ms per round, overhead p50 ≤ 1 ms at the largest stream count.",
         "",
-        "| streams | event loop | arrival wait | transport | rounds | router CPU ms / round | router CPU (cores) "
+        "| streams | event loop | arrival wait | transport | gc | rounds | router CPU ms / round | router CPU (cores) "
         "| overhead ms p50 / p99 | requests/s | tokens/round | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in document["overhead"]:
         lines.append(
-            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['transport']} | {row['rounds']} "
+            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['transport']} | {_gc(row)} "
+            f"| {row['rounds']} "
             f"| {_f(row['router_cpu_ms_per_round'], '.3f')} "
             f"| {_f(row['router_cpu_fraction'])} | {_f(row['router_overhead_ms_p50'])} / "
             f"{_f(row['router_overhead_ms_p99'])} | {_f(row['requests_per_s'], '.1f')} | "
@@ -210,13 +218,13 @@ def _bound_section(document: dict[str, Any]) -> list[str]:
         "Bound = max(draft, verify) / E[N] (latency means; E[N] = tokens committed per round, measured). "
         "Target (issue 15): bound / TPOT ≥ 0.9 at every stream count.",
         "",
-        "| streams | event loop | arrival wait | transport | tokens/round | bound ms/token | TPOT ms mean (median) "
-        "| bound / TPOT | router CPU ms / round | overhead ms p50 / p99 | pipeline hit rate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| streams | event loop | arrival wait | transport | gc | tokens/round | bound ms/token "
+        "| TPOT ms mean (median) | bound / TPOT | router CPU ms / round | overhead ms p50 / p99 | pipeline hit rate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in document["bound"]:
         lines.append(
-            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['transport']} "
+            f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['transport']} | {_gc(row)} "
             f"| {_f(row['tokens_per_round'])} | "
             f"{_f(row['bound_ms_per_token'])} | {_f(row['mean_tpot_ms'])} ({_f(row['median_tpot_ms'])}) | "
             f"{_f(row['bound_ratio'])} | {_f(row['router_cpu_ms_per_round'], '.3f')} | "
@@ -227,16 +235,22 @@ def _bound_section(document: dict[str, Any]) -> list[str]:
 
 
 def variants(
-    config: SimulationConfig, loops: Sequence[str], waits: Sequence[float], transports: Sequence[str] = ("stream",)
+    config: SimulationConfig,
+    loops: Sequence[str],
+    waits: Sequence[float],
+    transports: Sequence[str] = ("stream",),
+    collectors: Sequence[str] = ("server",),
 ) -> dict[str, SimulationConfig]:
-    """``config`` with each event loop, arrival wait and router-to-worker transport, by a label that names all."""
+    """``config`` with each event loop, arrival wait, router-to-worker transport and garbage collector policy, by a
+    label that names all."""
     return {
-        f"{loop}-wait{wait:g}-{transport}": replace(
-            config, event_loop=loop, arrival_wait=wait, worker_streams=transport == "stream"
+        f"{loop}-wait{wait:g}-{transport}-gc{collector}": replace(
+            config, event_loop=loop, arrival_wait=wait, worker_streams=transport == "stream", gc_policy=collector
         )
         for loop in loops
         for wait in waits
         for transport in transports
+        for collector in collectors
     }
 
 
@@ -246,6 +260,16 @@ def _transports(text: str) -> list[str]:
         if transport not in ("stream", "unary"):
             raise argparse.ArgumentTypeError(f"transport must be stream or unary, got {transport!r}")
     return transports
+
+
+def _collectors(text: str) -> list[str]:
+    collectors = [part.strip() for part in text.split(",") if part.strip()]
+    for collector in collectors:
+        try:
+            gc_policy.choice_from({gc_policy.ENV: collector})
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return collectors
 
 
 def _fractions(text: str) -> list[float]:
@@ -285,6 +309,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=["stream"],
         help="how the router sends batches to workers: stream (one per worker), unary (an RPC each); interleaved",
     )
+    parser.add_argument(
+        "--gc",
+        type=_collectors,
+        default=["server"],
+        help="the router's SPECDEC_GC values (server: startup heap frozen, rarer passes; default: CPython's), "
+        "interleaved",
+    )
     parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per configuration")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--speculation", default="pipelined", help="the requests' speculation mode")
@@ -306,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "event_loops": args.event_loop,
         "arrival_waits": args.arrival_wait,
         "transports": args.transport,
+        "gc_policies": args.gc,
         "duration_s": args.duration,
         "max_tokens": args.max_tokens,
         "speculation": args.speculation,
@@ -326,10 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         async def both() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             overhead, rows = [], []
             if args.streams:
-                configs = variants(base, args.event_loop, args.arrival_wait, args.transport)
+                configs = variants(base, args.event_loop, args.arrival_wait, args.transport, args.gc)
                 overhead = await run_part(configs, args.streams, options, args.duration, log_dir / "overhead")
             if args.bound_streams:
-                configs = variants(bound, args.event_loop, args.arrival_wait, args.transport)
+                configs = variants(bound, args.event_loop, args.arrival_wait, args.transport, args.gc)
                 rows = await run_part(configs, args.bound_streams, options, args.duration, log_dir / "bound")
             return overhead, rows
 

@@ -17,6 +17,7 @@ import torch
 from drafter_service.config import DrafterConfig
 from drafter_service.server import start_drafter
 from grpc_common.server import TerminationSignal
+from specdec import gc_policy
 from specdec.errors import SpecdecError
 
 
@@ -24,12 +25,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = DrafterConfig.from_args(argv)
+        gc_policy.choice_from()  # a bad SPECDEC_GC fails before the model loads
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         running = start_drafter(config)
     except (SpecdecError, ValueError) as error:  # a bad flag, env value or model
         print(f"drafter_service: {error}", file=sys.stderr)
         return 2
+    gc_policy.settle()
     termination = TerminationSignal()
     ready = {"address": running.address, "kind": config.kind}
     if running.metrics_address is not None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from bench.load.simulate import LatencySpec
-from bench.overhead import add_bound, markdown
+from bench.load.simulate import LatencySpec, SimulationConfig
+from bench.overhead import add_bound, markdown, variants
 from bench.services import process_cpu_s
 
 
@@ -27,6 +27,7 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
         "event_loop": "uvloop",
         "arrival_wait": 0.25,
         "transport": "stream",
+        "gc": "server",
         "rounds": 10,
         "router_cpu_ms_per_round": 0.5,
         "router_cpu_fraction": 0.1,
@@ -56,7 +57,19 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
         "bound": [row],
     }
     text = markdown(document)
-    assert "| 8 | uvloop | 0.25 | stream | 10 | 0.500 |" in text and "| 5.00 | 6.00 (6.00) | 0.83 |" in text
+    assert "| 8 | uvloop | 0.25 | stream | server | 10 | 0.500 |" in text and "| 5.00 | 6.00 (6.00) | 0.83 |" in text
+
+
+def test_every_combination_of_the_axes_is_one_stack_with_its_gc_policy() -> None:
+    configs = variants(SimulationConfig(), ["uvloop"], [1.0], ["stream", "unary"], ["server", "default"])
+    assert sorted(configs) == [
+        "uvloop-wait1-stream-gcdefault",
+        "uvloop-wait1-stream-gcserver",
+        "uvloop-wait1-unary-gcdefault",
+        "uvloop-wait1-unary-gcserver",
+    ]
+    unary_default = configs["uvloop-wait1-unary-gcdefault"]
+    assert unary_default.gc_policy == "default" and not unary_default.worker_streams
 
 
 def test_a_note_stays_out_of_the_recorded_command() -> None:

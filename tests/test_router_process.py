@@ -62,3 +62,18 @@ def test_bad_configuration_is_one_line() -> None:
     assert completed.returncode == 2 and completed.stdout == ""
     lines = completed.stderr.strip().splitlines()
     assert lines == ["router: error: verifiers: at least one verifier address is required"]
+
+
+def test_a_bad_garbage_collector_policy_is_one_line() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "router", "--model", "fake", "--no-tokenizer", "--verifier", "127.0.0.1:1"],
+        cwd=REPO,
+        env={**environment(), "SPECDEC_GC": "off"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 2 and completed.stdout == ""
+    lines = completed.stderr.strip().splitlines()
+    assert lines == ["router: error: SPECDEC_GC: must be one of server, default, got 'off'"]

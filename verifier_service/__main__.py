@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from grpc_common.memory import fix_glibc_mmap_threshold
 from grpc_common.server import TerminationSignal
+from specdec import gc_policy
 from specdec.errors import SpecdecError
 from specdec.runner import KVRunner
 from verifier_service.config import VerifierConfig
@@ -41,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = VerifierConfig.from_args(argv)
+        gc_policy.choice_from()  # a bad SPECDEC_GC fails before the model loads
         if config.malloc_mmap_threshold_mb:  # process-wide, before the model's allocations
             fix_glibc_mmap_threshold(config.malloc_mmap_threshold_mb << 20)
         if config.torch_threads:
@@ -77,6 +79,7 @@ def _tensor_parallel(config: VerifierConfig) -> int:
 
 
 def _serve_until_signal(running: RunningVerifier, config: VerifierConfig) -> None:
+    gc_policy.settle()
     termination = TerminationSignal()
     ready = {"address": running.address, "model": config.model, "world_size": config.world_size}
     if running.metrics_address is not None:

@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.services import Services
 from grpc_common.arrivals import DEFAULT_FRACTION
-from specdec import eventloop
+from specdec import eventloop, gc_policy
 
 WORKER_MODULE = "bench.load.simulated"
 LatencyKind = Literal["const", "normal", "lognormal", "uniform"]
@@ -131,6 +131,7 @@ class SimulationConfig:
     ``SPECDEC_EVENT_LOOP`` of every process of the stack (:mod:`specdec.eventloop`). ``arrival_wait`` is every
     worker's wait for the calls it expects back, as a fraction of a batch (:mod:`grpc_common.arrivals`; 0: none).
     ``worker_streams`` False: the routers send every batch as a unary RPC instead of on a stream (:mod:`router.calls`).
+    ``gc_policy`` (None: inherited) is the routers' ``SPECDEC_GC`` (:mod:`specdec.gc_policy`).
     """
 
     acceptance: tuple[float, ...] = (0.8, 0.7, 0.6, 0.5)
@@ -151,6 +152,7 @@ class SimulationConfig:
     event_loop: str | None = None
     arrival_wait: float = DEFAULT_FRACTION
     worker_streams: bool = True
+    gc_policy: str | None = None
 
     def __post_init__(self) -> None:
         if not self.acceptance or any(not 0.0 <= value <= 1.0 for value in self.acceptance):
@@ -304,7 +306,8 @@ def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[Simu
 
     Workers start together; the routers start (together) once they serve, so their first health check finds them all.
     """
-    env = None if config.event_loop is None else {eventloop.ENV: config.event_loop}
+    env = {} if config.event_loop is None else {eventloop.ENV: config.event_loop}
+    router_env = env if config.gc_policy is None else {**env, gc_policy.ENV: config.gc_policy}
     with Services(log_dir) as services:
         spawned = [
             services.spawn(f"sim-verifier-{index}", WORKER_MODULE, worker_args(config, "verifier", index), env)
@@ -339,6 +342,6 @@ def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[Simu
         if not config.worker_streams:
             router_args.append("--no-worker-streams")
         names = ["router"] if config.num_routers == 1 else [f"router-{index}" for index in range(config.num_routers)]
-        routers = [services.spawn(name, "router", router_args, env) for name in names]
+        routers = [services.spawn(name, "router", router_args, router_env) for name in names]
         ready = [router.wait_ready(120.0) for router in routers]
         yield SimulatedStack(tuple(r["grpc"] for r in ready), tuple(r["http"] for r in ready), config.model, services)
