@@ -803,12 +803,9 @@ class Session:
         pieces: list[str] = []
         stopped = False
         if self.text is not None:
-            for index, token in enumerate(tokens):
-                pieces.append(self.text.push(token))
-                if self.text.stopped:
-                    stopped = True
-                    tokens = tokens[: index + 1]
-                    break
+            text, kept = self.text.push(tokens)
+            pieces.append(text)
+            stopped, tokens = self.text.stopped, tokens[:kept]
         logprobs = verified.logprobs[: len(tokens)] if self.plan.logprobs else ()
         alternatives = verified.top_logprobs[: len(tokens)] if self.plan.logprobs else ()
         self.generated.extend(tokens)

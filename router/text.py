@@ -4,9 +4,9 @@ Tokens arrive a round at a time; text goes out as soon as it is safe to send:
 
 * :class:`IncrementalDetokenizer` releases text only once its bytes form whole characters (a multi-byte
   character split over tokens is held until complete), decoding a short window of recent tokens each time
-  rather than the whole output (vLLM's ``detokenize_incrementally`` scheme, simplified). It runs for every token
-  of every stream, so it costs one decode per token (the released part of the window is the text of the previous
-  decode, decoded anew only when the window slides, every few tokens), through the Rust tokenizer itself where
+  rather than the whole output (vLLM's ``detokenize_incrementally`` scheme, simplified). It runs for every round
+  of every stream, so it costs one decode per round (the released part of the window is the text of the previous
+  decode, decoded anew only when the window slides, every few rounds), through the Rust tokenizer itself where
   transformers' ``decode`` would only add Python around the same call (:func:`decoder`);
 * :class:`StopMatcher` holds back any tail that could be the start of a stop string, and on a match cuts the
   text just before it.
@@ -35,7 +35,7 @@ def decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas whose concatenation is the decoded output.
 
-    ``push(id)`` returns the newly complete text (possibly ``""``); ``flush()`` returns whatever is still held
+    ``push(ids)`` returns the newly complete text (possibly ``""``); ``flush()`` returns whatever is still held
     at the end (an incomplete character decodes to U+FFFD, as a full decode would). Special tokens are skipped.
     The window starts with the prompt's last tokens so a tokenizer's leading-space rules see real context.
     ``decode`` (default :func:`decoder` of ``tokenizer``) turns a list of ids into text.
@@ -56,9 +56,9 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, stop: int | None = None) -> str:
         return self._decode_ids(self._ids[start:stop])
 
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text it completes."""
-        self._ids.append(token_id)
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens (a round's: one decode for all of them); return the text they complete."""
+        self._ids.extend(token_ids)
         text = self._decode(self._prefix_offset)
         if len(text) <= len(self._prefix) or text.endswith(REPLACEMENT):
             return ""
@@ -88,7 +88,7 @@ class StopMatcher:
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = [stop for stop in stops if stop]
+        self.stops = [stop for stop in stops if stop]
         self._held = ""
         self.stopped = False
 
@@ -97,11 +97,11 @@ class StopMatcher:
         if self.stopped:
             return ""
         buffer = self._held + text
-        cuts = [index for index in (buffer.find(stop) for stop in self._stops) if index >= 0]
+        cuts = [index for index in (buffer.find(stop) for stop in self.stops) if index >= 0]
         if cuts:
             self.stopped, self._held = True, ""
             return buffer[: min(cuts)]
-        hold = max((_overlap(buffer, stop) for stop in self._stops), default=0)
+        hold = max((_overlap(buffer, stop) for stop in self.stops), default=0)
         self._held = buffer[len(buffer) - hold :] if hold else ""
         return buffer[: len(buffer) - hold]
 
@@ -131,9 +131,20 @@ class TextStream:
         """True once a stop string has appeared; no text follows it."""
         return self._matcher.stopped
 
-    def push(self, token_id: int) -> str:
-        """Add one generated token; return the text that can be sent now."""
-        return self._matcher.push(self._detokenizer.push(token_id))
+    def push(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """Add a round's generated tokens; return the text that can be sent now and how many of the tokens it keeps:
+        all of them, unless a stop string ends the text inside the token at that count (the rest are dropped).
+
+        Without stop strings the round is decoded at once; with them token by token, as a stop string may end
+        inside any of them."""
+        if not self._matcher.stops:
+            return self._detokenizer.push(token_ids), len(token_ids)
+        pieces = []
+        for kept, token_id in enumerate(token_ids, start=1):
+            pieces.append(self._matcher.push(self._detokenizer.push((token_id,))))
+            if self._matcher.stopped:
+                return "".join(pieces), kept
+        return "".join(pieces), len(token_ids)
 
     def flush(self) -> str:
         """At the end of generation: everything still held back."""

@@ -25,7 +25,7 @@ def tokenizer() -> PreTrainedTokenizerBase:
 def test_deltas_concatenate_to_the_full_decode(tokenizer, text: str) -> None:
     ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:", add_special_tokens=False))
-    deltas = [detokenizer.push(token) for token in ids] + [detokenizer.flush()]
+    deltas = [detokenizer.push([token]) for token in ids] + [detokenizer.flush()]
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
     assert not any("\ufffd" in delta for delta in deltas), "an incomplete character was sent"
 
@@ -35,8 +35,25 @@ def test_random_ids_concatenate_to_the_full_decode(tokenizer) -> None:
     for length in [30] * 19 + [100]:  # 100: the window slides several times
         ids = [generator.randrange(len(tokenizer)) for _ in range(length)]
         detokenizer = IncrementalDetokenizer(tokenizer, [])
-        text = "".join(detokenizer.push(token) for token in ids) + detokenizer.flush()
+        text = "".join(detokenizer.push([token]) for token in ids) + detokenizer.flush()
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rounds_of_several_tokens_concatenate_to_the_full_decode(tokenizer, seed: int) -> None:
+    generator = random.Random(seed)
+    texts = [*TEXTS, "".join(generator.choice("aé 日🎉\n") for _ in range(120))]
+    for text in texts:
+        ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+        detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:", add_special_tokens=False))
+        deltas, start = [], 0
+        while start < len(ids):  # rounds of 1-6 tokens, as verdicts commit them
+            size = generator.randint(1, 6)
+            deltas.append(detokenizer.push(ids[start : start + size]))
+            start += size
+        deltas.append(detokenizer.flush())
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+        assert not any("\ufffd" in delta for delta in deltas), "an incomplete character was sent"
 
 
 def test_the_direct_decoder_is_transformers_decode(tokenizer) -> None:
@@ -73,12 +90,17 @@ def test_stop_matcher_holds_back_only_possible_prefixes() -> None:
 def test_text_stream_stops_inside_a_token(tokenizer) -> None:
     ids = tokenizer.encode("one two three four", add_special_tokens=False)
     stream = TextStream(tokenizer, [], ["hre"])
-    text = ""
-    for token in ids:
-        text += stream.push(token)
-        if stream.stopped:
-            break
-    assert (text, stream.stopped) == ("one two t", True)
+    text, kept = stream.push(ids)  # one round holding every token: the stop ends it inside the third
+    assert (text, kept, stream.stopped) == ("one two t", 3, True)
+    assert tokenizer.decode(ids[:kept]) == "one two three"  # the tokens kept end with the one holding the stop
+
+
+def test_text_stream_keeps_a_whole_round_without_stop_strings(tokenizer) -> None:
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    stream = TextStream(tokenizer, [], [])
+    assert stream.push(ids[:2]) == ("one two", 2)
+    assert stream.push(ids[2:]) == (" three four", len(ids) - 2)
+    assert stream.flush() == "" and not stream.stopped
 
 
 def test_unknown_tokenizer() -> None:
