@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge
 
 from grpc_common.errors import status_for
-from grpc_common.metrics import log_buckets, service_registry
+from grpc_common.metrics import BisectHistogram, log_buckets, service_registry
 from router.errors import NoWorkerError, UnauthenticatedError, WorkerUnavailableError
 from router.pipeline import Chunk, Drafted, Emit, Final, RoundRecord
 
@@ -62,8 +62,8 @@ class RouterMetrics:
 
         def histogram(
             name: str, documentation: str, buckets: tuple[float, ...], labels: list[str] = model
-        ) -> Histogram:
-            return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+        ) -> BisectHistogram:
+            return BisectHistogram(name, documentation, labels, buckets=buckets, registry=self.registry)
 
         self.num_drafts = counter("vllm:spec_decode_num_drafts", "Rounds that verified a non-empty draft.").labels(
             model_name
@@ -134,6 +134,7 @@ class RouterMetrics:
         )
         self._request_failure = counter("specdec:request_failure", "Failed requests by gRPC status.", ["code"])
         self._model_name = model_name
+        self._accepted_per_pos_children: list[Counter] = []  # by position: labels() costs a lookup every round
 
     # --- RoundObserver ------------------------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class RouterMetrics:
             self.num_draft_tokens.inc(record.draft_size)
             self.num_accepted_tokens.inc(accepted)
             for position in range(accepted):
-                self._accepted_per_pos.labels(self._model_name, str(position)).inc()
+                self._accepted_at(position).inc()
         self.verify_seconds.observe(verified.verify_ns / 1e9)
         self.state_seconds.observe(verified.state_ns / 1e9)
         self.round_seconds.observe(record.wall_ns / 1e9)
@@ -162,6 +163,14 @@ class RouterMetrics:
                 self.pipeline_rejection_hits.inc()
         self._wire_bytes["verdict"].inc(verified.wire_bytes)
         self._wire_bytes["features"].inc(verified.feature_bytes)
+
+    def _accepted_at(self, position: int) -> Counter:
+        """The accepted-per-position series of ``position`` (its children are made in order: every accepted
+        position's predecessors were accepted too)."""
+        children = self._accepted_per_pos_children
+        while len(children) <= position:
+            children.append(self._accepted_per_pos.labels(self._model_name, str(len(children))))
+        return children[position]
 
     # --- requests -----------------------------------------------------------------------------------------
 

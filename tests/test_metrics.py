@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
+import random
 import threading
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import RunningDrafter, start_drafter
+from grpc_common.metrics import BisectHistogram, log_buckets
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.pipeline import Drafted, RoundRecord, Session, Verified
@@ -140,6 +144,28 @@ def test_router_overhead_is_round_wall_less_exposed_draft_verify_and_state() -> 
     per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     counts = [registry.get_sample_value(per_pos, {"model_name": "m", "position": str(p)}) for p in range(3)]
     assert counts == [1, 1, None]  # two of three drafted tokens accepted
+
+
+def test_a_bisect_histogram_counts_exactly_as_prometheus_own() -> None:
+    bounds = log_buckets(50e-6, 1.0, 10)
+    generator = random.Random(0)
+    values = [*bounds, 0.0, -1.0, 2.0, math.inf, math.nan] + [10 ** generator.uniform(-6, 1) for _ in range(500)]
+    registries = [CollectorRegistry(), CollectorRegistry()]
+    ours = BisectHistogram("h", "h", ["k"], buckets=bounds, registry=registries[0]).labels("a")
+    theirs = Histogram("h", "h", ["k"], buckets=bounds, registry=registries[1]).labels("a")
+    for value in values:
+        ours.observe(value)
+        theirs.observe(value)
+
+    def buckets(registry: CollectorRegistry) -> list[tuple[str, float]]:
+        [family] = [f for f in registry.collect() if f.name == "h"]
+        return [(s.labels.get("le", s.name), s.value) for s in family.samples if not s.name.endswith("_created")]
+
+    ours_samples, theirs_samples = buckets(registries[0]), buckets(registries[1])
+    assert [name for name, _ in ours_samples] == [name for name, _ in theirs_samples]
+    assert all(
+        a == b or (math.isnan(a) and math.isnan(b)) for (_, a), (_, b) in zip(ours_samples, theirs_samples, strict=True)
+    )
 
 
 def scrape(address: str) -> tuple[Samples, set[str]]:
