@@ -49,31 +49,19 @@ def test_serves_then_drains_on_sigterm() -> None:
         verifier.stop(0)
 
 
-def test_bad_configuration_is_one_line() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "router", "--model", "fake", "--no-tokenizer"],
-        cwd=REPO,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+def refused(arguments: list[str], env: dict[str, str]) -> list[str]:
+    """Run ``python -m router ARGUMENTS``, which must exit 2 printing nothing on stdout; its stderr lines."""
+    command = [sys.executable, "-m", "router", "--model", "fake", "--no-tokenizer", *arguments]
+    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert completed.returncode == 2 and completed.stdout == ""
-    lines = completed.stderr.strip().splitlines()
+    return completed.stderr.strip().splitlines()
+
+
+def test_bad_configuration_is_one_line() -> None:
+    lines = refused([], environment())
     assert lines == ["router: error: verifiers: at least one verifier address is required"]
 
 
 def test_a_bad_garbage_collector_policy_is_one_line() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "router", "--model", "fake", "--no-tokenizer", "--verifier", "127.0.0.1:1"],
-        cwd=REPO,
-        env={**environment(), "SPECDEC_GC": "off"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert completed.returncode == 2 and completed.stdout == ""
-    lines = completed.stderr.strip().splitlines()
+    lines = refused(["--verifier", "127.0.0.1:1"], {**environment(), "SPECDEC_GC": "off"})
     assert lines == ["router: error: SPECDEC_GC: must be one of server, default, got 'off'"]
