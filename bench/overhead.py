@@ -1,10 +1,10 @@
 """What the router costs per round, on the simulated stack (real router process, simulated workers), by event loop,
-workers' arrival wait, router-to-worker transport and the router's garbage collector policy.
+workers' arrival wait, router-to-worker transport, the router's garbage collector policy and its code.
 
 Two measurements, each configuration a short closed-loop run (``--duration`` seconds after one uncounted wave of
-warm-up requests), the variants (every combination of ``--event-loop``, ``--arrival-wait``, ``--transport`` and
-``--gc``) interleaved at every stream count (one stack per variant, all started up front, so machine drift hits each
-alike):
+warm-up requests), the variants (every combination of ``--event-loop``, ``--arrival-wait``, ``--transport``,
+``--gc`` and ``--router-source``) interleaved at every stream count (one stack per variant, all started up front,
+so machine drift hits each alike):
 
 1. **Router CPU and overhead per round** at ``--streams`` concurrent streams, the default simulated latencies
    (:class:`bench.load.simulate.SimulationConfig`). CPU per round = the router process's own CPU clock (utime +
@@ -23,7 +23,8 @@ alike):
 The simulated devices sleep once per batch (:mod:`bench.load.simulated.device`), so a batch of N costs what a batch
 of one does plus ``verify_per_seq_ms`` per sequence (0 in part 2). The load generator runs in this process on its
 own (uvloop) loop; ``--event-loop`` sets ``SPECDEC_EVENT_LOOP`` of the stack's processes (router and workers),
-``--gc`` the router's ``SPECDEC_GC`` (:mod:`specdec.gc_policy`).
+``--gc`` the router's ``SPECDEC_GC`` (:mod:`specdec.gc_policy`), ``--router-source`` the checkouts the router runs
+from (``git worktree add DIR COMMIT``: two commits' routers in one interleaved run).
 Writes ``NAME.json`` and ``NAME.md`` into ``--result-dir``.
 
     nice -n 5 python -m bench.overhead --streams 1,64,500 --bound-streams 1,8,32,128 --event-loop uvloop,asyncio
@@ -126,6 +127,7 @@ async def run_part(
                 row["arrival_wait"] = configs[label].arrival_wait
                 row["transport"] = _transport(configs[label])
                 row["gc"] = configs[label].gc_policy
+                row["router_source"] = configs[label].router_source or "."
                 rows.append(row)
                 print(json.dumps(_rounded(row)), file=sys.stderr, flush=True)
     return rows
@@ -162,6 +164,10 @@ def _gc(row: dict[str, Any]) -> str:
     return row.get("gc") or "default"  # rows of runs before the router's policy existed
 
 
+def _source(row: dict[str, Any]) -> str:
+    return row.get("router_source") or "."  # this checkout (rows of runs before the axis existed too)
+
+
 def _transport(config: SimulationConfig) -> str:
     return "stream" if config.worker_streams else "unary"
 
@@ -192,14 +198,14 @@ def _overhead_section(document: dict[str, Any]) -> list[str]:
         "",
         "Targets (issue 15): router CPU ≤ 0.2 ms per round, overhead p50 ≤ 1 ms at the largest stream count.",
         "",
-        "| streams | event loop | arrival wait | transport | gc | rounds | router CPU ms / round | router CPU (cores) "
-        "| overhead ms p50 / p99 | requests/s | tokens/round | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| streams | event loop | arrival wait | transport | gc | router code | rounds | router CPU ms / round "
+        "| router CPU (cores) | overhead ms p50 / p99 | requests/s | tokens/round | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in document["overhead"]:
         lines.append(
             f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['transport']} | {_gc(row)} "
-            f"| {row['rounds']} "
+            f"| {_source(row)} | {row['rounds']} "
             f"| {_f(row['router_cpu_ms_per_round'], '.3f')} "
             f"| {_f(row['router_cpu_fraction'])} | {_f(row['router_overhead_ms_p50'])} / "
             f"{_f(row['router_overhead_ms_p99'])} | {_f(row['requests_per_s'], '.1f')} | "
@@ -218,14 +224,14 @@ def _bound_section(document: dict[str, Any]) -> list[str]:
         "Bound = max(draft, verify) / E[N] (latency means; E[N] = tokens committed per round, measured). "
         "Target (issue 15): bound / TPOT ≥ 0.9 at every stream count.",
         "",
-        "| streams | event loop | arrival wait | transport | gc | tokens/round | bound ms/token "
+        "| streams | event loop | arrival wait | transport | gc | router code | tokens/round | bound ms/token "
         "| TPOT ms mean (median) | bound / TPOT | router CPU ms / round | overhead ms p50 / p99 | pipeline hit rate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in document["bound"]:
         lines.append(
             f"| {row['streams']} | {row['event_loop']} | {_wait(row)} | {row['transport']} | {_gc(row)} "
-            f"| {_f(row['tokens_per_round'])} | "
+            f"| {_source(row)} | {_f(row['tokens_per_round'])} | "
             f"{_f(row['bound_ms_per_token'])} | {_f(row['mean_tpot_ms'])} ({_f(row['median_tpot_ms'])}) | "
             f"{_f(row['bound_ratio'])} | {_f(row['router_cpu_ms_per_round'], '.3f')} | "
             f"{_f(row['router_overhead_ms_p50'])} / {_f(row['router_overhead_ms_p99'])} | "
@@ -240,17 +246,24 @@ def variants(
     waits: Sequence[float],
     transports: Sequence[str] = ("stream",),
     collectors: Sequence[str] = ("server",),
+    sources: Sequence[str] = ("",),
 ) -> dict[str, SimulationConfig]:
-    """``config`` with each event loop, arrival wait, router-to-worker transport and garbage collector policy, by a
-    label that names all."""
+    """``config`` with each event loop, arrival wait, router-to-worker transport, garbage collector policy and router
+    checkout ('': this one), by a label that names all."""
     return {
-        f"{loop}-wait{wait:g}-{transport}-gc{collector}": replace(
-            config, event_loop=loop, arrival_wait=wait, worker_streams=transport == "stream", gc_policy=collector
+        f"{loop}-wait{wait:g}-{transport}-gc{collector}-{source or '.'}": replace(
+            config,
+            event_loop=loop,
+            arrival_wait=wait,
+            worker_streams=transport == "stream",
+            gc_policy=collector,
+            router_source=source or None,
         )
         for loop in loops
         for wait in waits
         for transport in transports
         for collector in collectors
+        for source in sources
     }
 
 
@@ -270,6 +283,14 @@ def _collectors(text: str) -> list[str]:
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
     return collectors
+
+
+def _sources(text: str) -> list[str]:
+    sources = [part.strip() for part in text.split(",")] or [""]
+    for source in sources:
+        if source and not (Path(source) / "router" / "__main__.py").is_file():
+            raise argparse.ArgumentTypeError(f"{source!r} is not a checkout of this repository (no router/__main__.py)")
+    return sources
 
 
 def _fractions(text: str) -> list[float]:
@@ -316,6 +337,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the router's SPECDEC_GC values (server: startup heap frozen, rarer passes; default: CPython's), "
         "interleaved",
     )
+    parser.add_argument(
+        "--router-source",
+        type=_sources,
+        default=[""],
+        help="checkouts the router runs from, comma-separated ('': this one; e.g. a git worktree of the parent "
+        "commit); interleaved",
+    )
     parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per configuration")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--speculation", default="pipelined", help="the requests' speculation mode")
@@ -338,6 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "arrival_waits": args.arrival_wait,
         "transports": args.transport,
         "gc_policies": args.gc,
+        "router_sources": args.router_source,
         "duration_s": args.duration,
         "max_tokens": args.max_tokens,
         "speculation": args.speculation,
@@ -355,13 +384,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as logs:
         log_dir = Path(logs)
 
+        axes = (args.event_loop, args.arrival_wait, args.transport, args.gc, args.router_source)
+
         async def both() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             overhead, rows = [], []
             if args.streams:
-                configs = variants(base, args.event_loop, args.arrival_wait, args.transport, args.gc)
+                configs = variants(base, *axes)
                 overhead = await run_part(configs, args.streams, options, args.duration, log_dir / "overhead")
             if args.bound_streams:
-                configs = variants(bound, args.event_loop, args.arrival_wait, args.transport, args.gc)
+                configs = variants(bound, *axes)
                 rows = await run_part(configs, args.bound_streams, options, args.duration, log_dir / "bound")
             return overhead, rows
 

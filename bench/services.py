@@ -32,10 +32,11 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15 of proc(5)
 
 
-def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for a service: this one, offline hub, the repository on ``PYTHONPATH``, then ``extra``."""
+def service_env(extra: Mapping[str, str] | None = None, source: Path = ROOT) -> dict[str, str]:
+    """The environment for a service: this one, offline hub, ``source`` (the checkout it runs from, by default this
+    repository) first on ``PYTHONPATH``, then ``extra``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
     return env
 
 
@@ -92,16 +93,19 @@ class Services:
         self.log_dir = log_dir
         self.started: list[Service] = []
 
-    def spawn(self, name: str, module: str, args: list[str], env: Mapping[str, str] | None = None) -> Service:
-        """Start ``python -m module *args`` (``env``: variables set on top of :func:`service_env`'s) without waiting
+    def spawn(
+        self, name: str, module: str, args: list[str], env: Mapping[str, str] | None = None, source: Path = ROOT
+    ) -> Service:
+        """Start ``python -m module *args`` (``env``: variables set on top of :func:`service_env`'s; ``source``: the
+        checkout whose code it runs, e.g. a worktree of another commit, to compare two in one run) without waiting
         for it to serve."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "w") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", module, *args],
-                cwd=ROOT,
-                env=service_env(env),
+                cwd=source,
+                env=service_env(env, source),
                 stdout=subprocess.PIPE,
                 stderr=log,
                 stdin=subprocess.DEVNULL,

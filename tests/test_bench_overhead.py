@@ -57,19 +57,16 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
         "bound": [row],
     }
     text = markdown(document)
-    assert "| 8 | uvloop | 0.25 | stream | server | 10 | 0.500 |" in text and "| 5.00 | 6.00 (6.00) | 0.83 |" in text
+    assert "| 8 | uvloop | 0.25 | stream | server | . | 10 | 0.500 |" in text
+    assert "| 5.00 | 6.00 (6.00) | 0.83 |" in text
 
 
-def test_every_combination_of_the_axes_is_one_stack_with_its_gc_policy() -> None:
-    configs = variants(SimulationConfig(), ["uvloop"], [1.0], ["stream", "unary"], ["server", "default"])
-    assert sorted(configs) == [
-        "uvloop-wait1-stream-gcdefault",
-        "uvloop-wait1-stream-gcserver",
-        "uvloop-wait1-unary-gcdefault",
-        "uvloop-wait1-unary-gcserver",
-    ]
-    unary_default = configs["uvloop-wait1-unary-gcdefault"]
+def test_every_combination_of_the_axes_is_one_stack_with_its_gc_policy_and_router_code() -> None:
+    configs = variants(SimulationConfig(), ["uvloop"], [1.0], ["stream", "unary"], ["server", "default"], ["", "/b"])
+    assert len(configs) == 8
+    unary_default = configs["uvloop-wait1-unary-gcdefault-."]
     assert unary_default.gc_policy == "default" and not unary_default.worker_streams
+    assert unary_default.router_source is None and configs["uvloop-wait1-stream-gcserver-/b"].router_source == "/b"
 
 
 def test_a_note_stays_out_of_the_recorded_command() -> None:

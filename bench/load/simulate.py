@@ -29,7 +29,7 @@ from typing import Literal, TypeVar, cast
 
 import numpy as np
 
-from bench.services import Services
+from bench.services import ROOT, Services
 from grpc_common.arrivals import DEFAULT_FRACTION
 from specdec import eventloop, gc_policy
 
@@ -131,7 +131,8 @@ class SimulationConfig:
     ``SPECDEC_EVENT_LOOP`` of every process of the stack (:mod:`specdec.eventloop`). ``arrival_wait`` is every
     worker's wait for the calls it expects back, as a fraction of a batch (:mod:`grpc_common.arrivals`; 0: none).
     ``worker_streams`` False: the routers send every batch as a unary RPC instead of on a stream (:mod:`router.calls`).
-    ``gc_policy`` (None: inherited) is the routers' ``SPECDEC_GC`` (:mod:`specdec.gc_policy`).
+    ``gc_policy`` (None: inherited) is the routers' ``SPECDEC_GC`` (:mod:`specdec.gc_policy`). ``router_source``
+    (None: this checkout) is the checkout the routers run from: a worktree of another commit compares two routers.
     """
 
     acceptance: tuple[float, ...] = (0.8, 0.7, 0.6, 0.5)
@@ -153,6 +154,7 @@ class SimulationConfig:
     arrival_wait: float = DEFAULT_FRACTION
     worker_streams: bool = True
     gc_policy: str | None = None
+    router_source: str | None = None
 
     def __post_init__(self) -> None:
         if not self.acceptance or any(not 0.0 <= value <= 1.0 for value in self.acceptance):
@@ -342,6 +344,7 @@ def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[Simu
         if not config.worker_streams:
             router_args.append("--no-worker-streams")
         names = ["router"] if config.num_routers == 1 else [f"router-{index}" for index in range(config.num_routers)]
-        routers = [services.spawn(name, "router", router_args, router_env) for name in names]
+        source = Path(config.router_source) if config.router_source else ROOT
+        routers = [services.spawn(name, "router", router_args, router_env, source) for name in names]
         ready = [router.wait_ready(120.0) for router in routers]
         yield SimulatedStack(tuple(r["grpc"] for r in ready), tuple(r["http"] for r in ready), config.model, services)
