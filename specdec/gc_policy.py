@@ -7,9 +7,12 @@ the objects startup made (the tokenizer, the modules of transformers, grpc and a
 garbage. A full pass walks all of them and stops the process meanwhile: about 30 ms in a router, 190 ms in a verifier
 holding SmolLM2-135M (``python -m bench.gc_pause``, ``bench/results/gc-pause.md``). :func:`settle`, called once a
 process serves, collects once, moves every surviving object into the permanent generation (``gc.freeze``) and
-makes passes rarer (:data:`SERVER_THRESHOLDS`): cyclic garbage is still found, a little later. On the simulated
-stack it took 4-18 % off the router's CPU per round at 1, 64 and 500 streams and nothing measurable at 32
-(``python -m bench.overhead --gc server,default``, ``bench/results/router-gc.md``, ``router-gc-32.md``).
+in the router makes passes rarer (:data:`SERVER_THRESHOLDS`): cyclic garbage is still found, a little later. On the
+simulated stack that took 4-18 % off the router's CPU per round at 1, 64 and 500 streams and nothing measurable at
+32 (``python -m bench.overhead --gc server,default``, ``bench/results/router-gc.md``, ``router-gc-32.md``). The
+verifier and the drafter keep CPython's thresholds: their loops allocate far less, so rarer passes saved them no
+time, while each pass, walking up to 10 000 young objects, became a pause of ~10 ms between forwards instead of
+1-4 ms (the real CPU stack under 8 streams for a minute, ``bench/results/gc-pause.md``).
 
 ``SPECDEC_GC`` chooses, read when :func:`settle` runs, so a bench can start the same process both ways:
 
@@ -42,8 +45,9 @@ def choice_from(environ: Mapping[str, str] | None = None) -> str:
     return choice
 
 
-def settle(choice: str | None = None) -> str:
+def settle(choice: str | None = None, *, thresholds: tuple[int, int, int] | None = SERVER_THRESHOLDS) -> str:
     """Apply ``choice`` (None: :func:`choice_from` the environment) to this process's collector; returns it.
+    ``thresholds``: the passes' new thresholds under ``server`` (None: CPython's, kept; the workers' choice).
 
     Call it once the process has built what it serves with and before it serves: what exists then is never collected.
     """
@@ -51,5 +55,6 @@ def settle(choice: str | None = None) -> str:
     if choice == "server":
         gc.collect()
         gc.freeze()
-        gc.set_threshold(*SERVER_THRESHOLDS)
+        if thresholds is not None:
+            gc.set_threshold(*thresholds)
     return choice

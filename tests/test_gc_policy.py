@@ -41,6 +41,15 @@ def test_server_freezes_what_exists_and_raises_the_thresholds(monkeypatch: pytes
 
 
 @pytest.mark.usefixtures("restored_collector")
+def test_a_worker_freezes_but_keeps_cpythons_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gc_policy.ENV, raising=False)
+    gc.unfreeze()
+    before = gc.get_threshold()
+    assert gc_policy.settle(thresholds=None) == "server"
+    assert gc.get_threshold() == before and gc.get_freeze_count() > 0
+
+
+@pytest.mark.usefixtures("restored_collector")
 def test_cyclic_garbage_is_still_collected_under_server() -> None:
     gc_policy.settle("server")
 
