@@ -163,9 +163,9 @@ def test_learns_acceptance_and_cost_from_simulated_rounds(rate: float, best: int
 def test_a_bad_start_does_not_stop_speculation_for_good() -> None:
     """The router's case on this CPU: forward 57 ms + 5 ms per extra position, 7 ms per draft level, 4 ms per round
     besides. A first request that accepts nothing drags the population prior down, so the next request's estimate
-    starts so low that no draft is predicted to pay; probing (one level after ``probe_every`` idle rounds) finds that
-    this request accepts at 0.85, and the controller settles near the best γ (5: E(γ)/T(γ) is 16.4, 34.0, 34.3, 34.1
-    tokens/s at γ = 0, 4, 5, 6), as it would from a fair start."""
+    starts so low that no draft is predicted to pay; probing (one level at once, as a new request, then after
+    ``probe_every`` idle rounds) finds that this request accepts at 0.85, and the controller settles near the best γ
+    (5: E(γ)/T(γ) is 16.4, 34.0, 34.3, 34.1 tokens/s at γ = 0, 4, 5, 6), as it would from a fair start."""
     rng = random.Random(7)
     controller = controller_with(lambda n: 57 + 5 * (n - 1), draft_level_ms=7.0, overhead_ms=4.0)
     first = controller.tracker()
@@ -173,7 +173,8 @@ def test_a_bad_start_does_not_stop_speculation_for_good() -> None:
         [length] = controller.choose([Candidate(first, 8)])
         controller.observe_verdict(first, length, 0)
     tracker = controller.tracker()
-    assert controller.choose([Candidate(tracker, 8)]) == [0]
+    assert controller.choose([Candidate(fixed_tracker(tracker.rates()[0]), 8)]) == [0]  # no draft is predicted to pay
+    assert controller.choose([Candidate(tracker, 8)]) == [1]  # but a new request probes at once
     chosen = []
     for _ in range(300):
         [length] = controller.choose([Candidate(tracker, 8)])
@@ -181,6 +182,28 @@ def test_a_bad_start_does_not_stop_speculation_for_good() -> None:
         controller.observe_verdict(tracker, length, accepted)
         chosen.append(length)
     assert sum(abs(length - 5) <= 1 for length in chosen[-100:]) >= 80
+
+
+def test_a_new_request_probes_at_once_where_the_last_requests_say_drafting_does_not_pay() -> None:
+    """``make demo``'s case on this CPU (costs as the router measured them: forward 20 ms + 2.5 ms per extra
+    position, 1.3 ms per draft level, 2.3 ms per round besides and 2.8 ms per drafter call): its warm-up, a greeting
+    of 4 tokens, had both its drafts rejected, which left the population at 0.25 by position. The next request,
+    whose drafts the head gets right, used to draft nothing until its first probe 16 rounds in; now it probes at once
+    and drafts deep within a few rounds."""
+    controller = controller_with(lambda n: 20 + 2.5 * (n - 1), draft_level_ms=1.3, overhead_ms=2.3, max_length=4)
+    controller.cost.draft_call_s.add(2.8e-3)
+    greeting = controller.tracker()
+    for _ in range(2):
+        controller.observe_verdict(greeting, 2, 0)
+    tracker = controller.tracker()
+    assert tracker.rates()[0] == pytest.approx(0.25, abs=0.01)
+    assert controller.choose([Candidate(fixed_tracker(0.25, 4), 4)]) == [0]  # no draft is predicted to pay
+    lengths = []
+    for _ in range(6):
+        [length] = controller.choose([Candidate(tracker, 4)])
+        controller.observe_verdict(tracker, length, length)  # this request's drafts are accepted whole
+        lengths.append(length)
+    assert lengths[0] == 1 and lengths[-1] == 4, lengths
 
 
 def test_an_idle_request_probes_one_level_and_waits_twice_as_long_after_each_probe_that_fails() -> None:
