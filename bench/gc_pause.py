@@ -30,10 +30,9 @@ ROLES = ("router", "verifier")
 
 def _build(role: str, model: str) -> None:
     """Import and load what ``role``'s process holds once it serves."""
-    from specdec.model_files import load_tokenizer
-
     if role == "router":
         import router.server  # noqa: F401  (the router's imports: grpc, aiohttp, transformers)
+        from specdec.model_files import load_tokenizer
 
         load_tokenizer(model)
     else:
@@ -103,9 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for role in roles:
         child = [sys.executable, "-m", "bench.gc_pause", "--measure", role, "--model", args.model]
-        completed = subprocess.run(
-            [*child, "--repeats", str(args.repeats)], capture_output=True, text=True, check=True, timeout=600
-        )
+        child += ["--repeats", str(args.repeats)]
+        completed = subprocess.run(child, capture_output=True, text=True, check=True, timeout=600)
         rows.append(json.loads(completed.stdout.strip().splitlines()[-1]))
     command = ["python", "-m", "bench.gc_pause", *(argv if argv is not None else sys.argv[1:])]
     document = run_metadata(args.name, command, {"model": args.model, "repeats": args.repeats})

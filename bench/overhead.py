@@ -286,7 +286,7 @@ def _collectors(text: str) -> list[str]:
 
 
 def _sources(text: str) -> list[str]:
-    sources = [part.strip() for part in text.split(",")] or [""]
+    sources = [part.strip() for part in text.split(",")]
     for source in sources:
         if source and not (Path(source) / "router" / "__main__.py").is_file():
             raise argparse.ArgumentTypeError(f"{source!r} is not a checkout of this repository (no router/__main__.py)")

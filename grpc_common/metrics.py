@@ -26,7 +26,8 @@ BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 6
 class BisectHistogram(Histogram):
     """prometheus_client's Histogram, an observation's bucket found by binary search rather than by trying every
     bound in turn: the router observes six histograms a round, of up to 44 buckets, and that scan was most of what
-    its metrics cost it. Same series, same counts."""
+    its metrics cost it. Same series, same counts. It reads prometheus_client's own attributes (``_sum``, ``_buckets``,
+    ``_upper_bounds``: the pinned version's); ``tests/test_metrics.py`` compares the two histograms' counts."""
 
     def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
         if exemplar:

@@ -1,4 +1,5 @@
-"""The garbage collector of a serving process: what startup built is frozen out of it, and it runs less often.
+"""The garbage collector of a serving process: what startup built is frozen out of it (and in the router, passes are
+rarer).
 
 CPython runs a young-generation pass every 700 net container allocations, and every tenth of those also walks the
 middle generation. A router round allocates dozens of short-lived containers (futures, tasks, messages, records),
