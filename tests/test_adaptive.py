@@ -64,6 +64,30 @@ def test_cost_curve_below_every_measured_count_keeps_the_cost_per_position() -> 
     assert steep.seconds(1) == pytest.approx(0.010 / 8)  # not 0 s: an unpriced plain round divides by zero
 
 
+def test_cost_curve_ignores_pauses_that_slowed_single_forwards_but_follows_a_real_change() -> None:
+    curve = CostCurve()
+    curve.observe(4, 0.010)
+    curve.observe(4, 0.085)  # the second forward of that size was preempted
+    assert curve.seconds(4) == pytest.approx(0.010)
+    for seconds in (0.010, 0.040, 0.010):  # two of the five slowed
+        curve.observe(4, seconds)
+    assert curve.seconds(4) == pytest.approx(0.010)
+    for _ in range(10):  # the forward really got dearer
+        curve.observe(4, 0.020)
+    assert curve.seconds(4) == pytest.approx(0.020)
+
+
+def test_one_slow_forward_does_not_keep_the_controller_from_the_draft_length_that_pays() -> None:
+    """The CPU stack's case: after one forward of the chosen size ran 3x long (a pause), the controller kept choosing
+    a shorter draft, never measured the longer one again, and ran slower than fixed-length speculation."""
+    controller = controller_with(lambda n: 22 + 0.7 * (n - 1), draft_level_ms=1.1, overhead_ms=1.7)
+    tracker = fixed_tracker(0.6)
+    [best] = controller.choose([Candidate(tracker, 8)])
+    assert best >= 2
+    controller.cost.forward.observe(1 + best, 3 * (22 + 0.7 * best) / 1e3)
+    assert controller.choose([Candidate(tracker, 8)]) == [best]
+
+
 def test_memory_bound_verifier_worked_example() -> None:
     # forward 10 ms + 1 ms per extra position, 0.5 ms per draft level, every position accepted at 0.8:
     # E(γ)/T(γ) in tokens/s is 100, 156.5, 187.7, 203.6, 210.1, 210.8, 208.0, 203.0, 196.8 for γ = 0..8.
