@@ -30,7 +30,7 @@ from specdec.errors import SpecdecError
 TARGET = "smollm2-135m"
 MAX_TOKENS = 64
 CATEGORIES = ("code", "rewrite", "chat")
-FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --responses-per-prompt 2 --data-minutes 80 --minutes 140"
+FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --responses-per-prompt 3 --data-minutes 100 --minutes 130"
 DEMO_HEAD_ARGS = ["--target", TARGET, "--data-minutes", "2.5", "--minutes", "2.5", "--held-out-prompts", "16"]
 UP_ARGS = [
     "--target", TARGET,
