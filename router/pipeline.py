@@ -134,6 +134,7 @@ class Verified:
     features: object | None = None  # the target's feature rows, encoded: relayed to the drafter unchanged
     feature_bytes: int = 0  # their size on the wire
     top_logprobs: tuple[TopLogprobs, ...] = ()  # per emitted token, when the sequence asked for alternatives
+    queued_ns: int = 0  # how long the call waited at the verifier before that forward started (0: not reported)
 
 
 class Commit(NamedTuple):
@@ -786,7 +787,11 @@ class Session:
                 self._last_size = record.draft_size
             forward_s, draft_s = verified.verify_ns / 1e9, record.exposed_draft_ns / 1e9
             waited_s = max(record.drafter_wait_ns / 1e9, draft_s)
-            other_s = record.wall_ns / 1e9 - forward_s - waited_s
+            # Waiting at the verifier for a forward to start is left out: under load it is most of a round, and as a
+            # fixed cost it made every extra position look cheap next to it, so auto drafted where the verifier was
+            # the bottleneck (at 1.5 QPS here its median request took 1.7x off's); a draft's cost to the batch is its
+            # positions in the forward.
+            other_s = record.wall_ns / 1e9 - forward_s - waited_s - verified.queued_ns / 1e9
             # A pre-draft's levels cost this round nothing. A draft after plain rounds is not a level's cost either: it
             # includes the drafter catching up on every token committed meanwhile (an EAGLE head runs over them), and
             # priced as levels that kept auto from drafting at all (adaptive.py's module docstring).

@@ -297,6 +297,7 @@ class GrpcVerifier(WorkerClient):
             features=features,
             feature_bytes=feature_bytes,
             top_logprobs=tuple(top_logprobs_from_wire(top) for top in verdict.top_logprobs),
+            queued_ns=reply.queued_ns,
         )
 
     async def close(self, sequence_id: str) -> None:

@@ -6,15 +6,20 @@ is always the target's. Verifying a batch whose requests draft γ_r takes about
 
     T = overhead_s + [draft_call_s + draft_level_s(R) · max_r γ_r] + forward_s(Σ_r (1 + γ_r))
 
-seconds: a fixed cost per round (router, wire, queueing), for a round that drafts what calling the drafter adds
-besides its drafting (disaggregated: the call's wire and its wait in the drafter's queue) and one draft step per
-level (drafting is batched across sequences level by level) whose cost grows with the R rows drafted in it (one per
-chain, a tree's frontier per tree: on a GPU barely, on a CPU nearly in proportion), and one target forward over
-every position (the curve the verifier's forwards trace).
+seconds: a fixed cost per round (router, wire; not the wait for the verifier), for a round that drafts what calling
+the drafter adds besides its drafting (disaggregated: the call's wire and its wait in the drafter's queue) and one
+draft step per level (drafting is batched across sequences level by level) whose cost grows with the R rows drafted
+in it (one per chain, a tree's frontier per tree: on a GPU barely, on a CPU nearly in proportion), and one target
+forward over every position (the curve the verifier's forwards trace).
 The fixed cost is learnt from every round, and the drafter call's own cost is measured directly (the call's wall
-time less the drafting it reports), never as the difference of two averages: under load the fixed cost is mostly
-queueing for the verifier and grows with the load, and an average learnt from the rare rounds that draft lags it
-(at low load it was learnt), so drafting rounds looked the cheaper kind and the controller drafted where it lost.
+time less the drafting it reports), never as the difference of two averages: under load a round's cost besides
+its forward was mostly queueing for the verifier and grew with the load, and an average learnt from the rare
+rounds that draft lagged it (at low load it was learnt), so drafting rounds looked the cheaper kind and the
+controller drafted where it lost.
+The wait for the verifier's forward to start (a disaggregated verifier reports it) is left out of the fixed cost
+altogether: under load it is most of a round, and next to it every extra position looked cheap, so the controller
+drafted where the verifier was the bottleneck; what a draft costs the other requests is its positions in the
+forward, which the forward's cost curve prices.
 :class:`SpeculationController` picks the γ_r that maximise the batch's goodput ``Σ_r E_r(γ_r) / T`` (SmartSpec's
 objective), from each request's measured, decayed acceptance by position (:class:`AcceptanceTracker`) and the
 measured costs (:class:`CostCurve`, :class:`RoundCost`). When verification is the bottleneck and a drafted
@@ -150,7 +155,7 @@ def rows_per_level(nodes: int, depth: int) -> int:
 
 @dataclass
 class RoundCost:
-    """What a round costs besides its forward: per draft level, fixed (router, wire, queueing: every round), and
+    """What a round costs besides its forward: per draft level, fixed (router, wire: every round), and
     what a round that drafts adds by calling the drafter (``draft_call_s``: 0 co-located, and until measured)."""
 
     forward: CostCurve = field(default_factory=CostCurve)

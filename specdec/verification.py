@@ -125,6 +125,7 @@ class VerifyOutcome:
     the most probable tokens of that same row. ``verify_s`` is the batch's target forward plus acceptance
     rule, ``commit_s`` its KV commits; ``batch_size`` counts the calls verified together and
     ``forward_positions`` the positions their forward ran (prefill chunks included): the cost curve's abscissa.
+    ``queued_s`` is how long the call waited for that forward to start (set by a serving scheduler; 0 in-process).
 
     ``features`` (when the sequence was opened with ``features``) [R, len(feature_layers) * hidden] float32: the
     target's feature rows (:meth:`~specdec.runner.KVRunner.forward_features`) of the positions
@@ -145,6 +146,7 @@ class VerifyOutcome:
     features: torch.Tensor | None = None
     feature_start: int = 0
     top_logprobs: list[TopLogprobs] | None = None
+    queued_s: float = 0.0
 
 
 @dataclass

@@ -684,6 +684,34 @@ def test_auto_drafts_sequentially_when_the_drafting_a_predraft_would_hide_costs_
     assert_clean(placement)
 
 
+def test_auto_leaves_the_wait_at_the_verifier_out_of_a_rounds_fixed_cost() -> None:
+    """Under load a round mostly waits for the verifier's forward to start; counted as a fixed cost, that wait made
+    every extra position look cheap next to it, and ``auto`` drafted where the verifier was the bottleneck."""
+    fixed: list[float] = []
+
+    class Recording(CyclingController):
+        def observe_round(self, positions, forward_s, draft_levels, draft_s, other_s, rows=1, call_s=None) -> None:
+            fixed.append(other_s)
+            super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
+
+    class BusyVerifier(FakeVerifier):  # every call waits 50 ms for a forward, and says so
+        async def verify(self, sequence_id: str, drafted: Drafted | None, **options: bool) -> Verified:
+            await asyncio.sleep(0.05)
+            verified = await super().verify(sequence_id, drafted, **options)
+            return replace(verified, forward_positions=1 + (len(drafted.tree) if drafted else 0), queued_ns=50_000_000)
+
+    placement = FakePlacement([BusyVerifier()], [FakeDrafter()])
+
+    async def emit(chunk: Chunk) -> None:
+        pass
+
+    controller = Recording(lengths=(2, 0), pipelining=(False,))
+    asyncio.run(Session(make_plan("auto", max_tokens=8), placement, emit, sequence_id="s", controller=controller).run())
+    assert fixed and all(seconds < 0.025 for seconds in fixed), fixed
+    assert controller.cost.overhead_s.value < 0.025
+    assert_clean(placement)
+
+
 def test_auto_learns_a_draft_levels_cost_only_from_a_draft_that_follows_a_drafting_round() -> None:
     """A proposal drafted after plain rounds carries the drafter's catch-up on the tokens committed meanwhile (an
     EAGLE head runs over them: on the CPU stack such one-level probes reported 3.6-4 ms where a level costs 0.8, and

@@ -304,6 +304,21 @@ def test_scheduler_batches_what_waits_and_a_bad_call_fails_alone(target) -> None
     assert isinstance(scheduler.status().exception(TIMEOUT_S), SchedulerStoppedError)
 
 
+def test_each_outcome_says_how_long_its_call_waited_for_its_forward(target) -> None:
+    """A call queued while the scheduler thread was not yet running waited until its forward started; the reply
+    carries that wait (the router leaves it out of a round's fixed cost)."""
+    scheduler = VerifyScheduler(BatchVerifier(KVRunner(target.model)), max_batch_size=8, max_queued=8)
+    opened = scheduler.open("q", [1, 2], GREEDY, 0, 4, frozenset(), True, False)
+    call = scheduler.verify(VerifyCall("q", Proposal(TokenTree.chain([3]), None)))
+    time.sleep(0.2)
+    scheduler.start()
+    assert opened.result(TIMEOUT_S) is None
+    assert call.result(TIMEOUT_S).queued_s >= 0.2
+    again = scheduler.verify(VerifyCall("q", Proposal(TokenTree.chain([3]), None)))
+    assert again.result(TIMEOUT_S).queued_s < 0.2
+    scheduler.stop()
+
+
 def test_token_budget_splits_prefills_over_forwards(target) -> None:
     """Each first Verify prefills its 2-token prompt plus 1 draft node: 3 positions. A budget of 6 runs them in
     one forward; a budget of 5 verifies one and prefills a token of the other's prompt in the room left, then

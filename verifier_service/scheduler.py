@@ -231,7 +231,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
                     room -= size
         if not ready and not chunks:
             return
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.monotonic()
         try:
             outcomes: list[VerifyOutcome] = self.verifier.verify([job.item for job in ready], chunks)
         except Exception as error:  # delivered to every caller of the forward, carried ones included
@@ -252,11 +252,15 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
             self._batches += 1
             self._max_batch = max(self._max_batch, len(ready))
         for job, outcome in zip(ready, outcomes, strict=True):
-            job.future.set_result(self._handed_over(job.sequence_id, outcome))
+            job.future.set_result(self._handed_over(job, outcome, started_at))
 
-    def _handed_over(self, sequence_id: str, outcome: VerifyOutcome) -> VerifyOutcome:
-        """``outcome`` with its feature rows on the host in the sequence's dtype, or none once it stopped them."""
+    def _handed_over(self, job: BatchJob[VerifyCall], outcome: VerifyOutcome, started_at: float) -> VerifyOutcome:
+        """``outcome`` with the time ``job`` waited for its forward (queued, carried while its prompt was prefilled, or
+        held for calls expected back) and its feature rows on the host in the sequence's dtype, or none once it
+        stopped them."""
+        queued_s = max(started_at - job.submitted, 0.0)
         if outcome.features is None:
-            return outcome
-        dtype = self._feature_dtypes.get(sequence_id)
-        return replace(outcome, features=None if dtype is None else outcome.features.to("cpu", dtype))
+            return replace(outcome, queued_s=queued_s)
+        dtype = self._feature_dtypes.get(job.sequence_id)
+        features = None if dtype is None else outcome.features.to("cpu", dtype)
+        return replace(outcome, features=features, queued_s=queued_s)

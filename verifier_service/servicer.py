@@ -154,6 +154,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             batch_size=outcome.batch_size,
             features=features,
             forward_positions=outcome.forward_positions,
+            queued_ns=round(outcome.queued_s * 1e9),
         )
 
     def _submit_close(self, request: verifier_pb2.CloseVerifyRequest) -> Submitted:
