@@ -787,10 +787,9 @@ class Session:
                 self._last_size = record.draft_size
             forward_s, draft_s = verified.verify_ns / 1e9, record.exposed_draft_ns / 1e9
             waited_s = max(record.drafter_wait_ns / 1e9, draft_s)
-            # Waiting at the verifier for a forward to start is left out: under load it is most of a round, and as a
-            # fixed cost it made every extra position look cheap next to it, so auto drafted where the verifier was
-            # the bottleneck (at 1.5 QPS here its median request took 1.7x off's); a draft's cost to the batch is its
-            # positions in the forward.
+            # Waiting at the verifier for a forward to start is left out: it comes from the load, not from this round's
+            # shape, and under load it is most of a round, next to which every extra position looked cheap; a draft's
+            # cost to the batch is its positions in the forward (adaptive.py's module docstring).
             other_s = record.wall_ns / 1e9 - forward_s - waited_s - verified.queued_ns / 1e9
             # A pre-draft's levels cost this round nothing. A draft after plain rounds is not a level's cost either: it
             # includes the drafter catching up on every token committed meanwhile (an EAGLE head runs over them), and

@@ -17,9 +17,10 @@ its forward was mostly queueing for the verifier and grew with the load, and an 
 rounds that draft lagged it (at low load it was learnt), so drafting rounds looked the cheaper kind and the
 controller drafted where it lost.
 The wait for the verifier's forward to start (a disaggregated verifier reports it) is left out of the fixed cost
-altogether: under load it is most of a round, and next to it every extra position looked cheap, so the controller
-drafted where the verifier was the bottleneck; what a draft costs the other requests is its positions in the
-forward, which the forward's cost curve prices.
+altogether: under load it is most of a round, and next to it every extra position looked cheap; what a draft costs
+the other requests is its positions in the forward, which the forward's cost curve prices. (On the CPU stack at
+1.5 QPS ``auto`` drafted 1.28 tokens a round and its median request took 1.7x off's; with the wait left out, 1.19
+and 1.3x, a change inside that machine's noise: ``bench/results/sweep-auto-1.2m/``.)
 :class:`SpeculationController` picks the γ_r that maximise the batch's goodput ``Σ_r E_r(γ_r) / T`` (SmartSpec's
 objective), from each request's measured, decayed acceptance by position (:class:`AcceptanceTracker`) and the
 measured costs (:class:`CostCurve`, :class:`RoundCost`). When verification is the bottleneck and a drafted
