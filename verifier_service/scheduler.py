@@ -258,9 +258,8 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         """``outcome`` with the time ``job`` waited for its forward (queued, carried while its prompt was prefilled, or
         held for calls expected back) and its feature rows on the host in the sequence's dtype, or none once it
         stopped them."""
-        queued_s = max(started_at - job.submitted, 0.0)
-        if outcome.features is None:
-            return replace(outcome, queued_s=queued_s)
-        dtype = self._feature_dtypes.get(job.sequence_id)
-        features = None if dtype is None else outcome.features.to("cpu", dtype)
-        return replace(outcome, features=features, queued_s=queued_s)
+        features = outcome.features
+        if features is not None:
+            dtype = self._feature_dtypes.get(job.sequence_id)
+            features = None if dtype is None else features.to("cpu", dtype)
+        return replace(outcome, features=features, queued_s=max(started_at - job.submitted, 0.0))
