@@ -527,7 +527,22 @@ def test_a_miss_never_waits_for_its_predraft() -> None:
     drafter = FakeDrafter(wrong_every=1)
     drafter.hold_predrafts = True
     placement = FakePlacement([FakeVerifier()], [drafter])
-    tokens, final, _ = run(make_plan("pipelined", max_tokens=20), placement)
+    chunks: list[Chunk] = []
+    background: set[asyncio.Task] = set()
+
+    async def emit(chunk: Chunk) -> None:
+        chunks.append(chunk)
+
+    async def serve() -> Final:
+        plan = make_plan("pipelined", max_tokens=20)
+        final = await Session(plan, placement, emit, sequence_id="seq", background=background).run()
+        # the owner keeps the abandoned pre-drafts alive until they end, as the router's frontend does: each then
+        # sees its cancellation (it polls for it every millisecond) instead of being torn down with the loop
+        await asyncio.gather(*background, return_exceptions=True)
+        return final
+
+    final = asyncio.run(serve())
+    tokens = [token for chunk in chunks for token in chunk.token_ids]
     assert tokens == reference(PROMPT, 20)[0]
     check_stats(final, tokens, "pipelined")
     assert final.stats.pipeline_hits == 0 and final.stats.pipeline_misses > 3
