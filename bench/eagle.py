@@ -13,8 +13,9 @@ load hits all alike). Sections (``--sections``, default all; ``budgets`` needs `
   (:mod:`bench.eagle_agreement`): whether serving computes what training measured, and why ``acc@1`` is lower;
 * ``speed``: greedy: target-only (and target-only over torch's own matrix multiplies, unpacked), ngram γ=4,
   Hugging Face prompt lookup γ=4, every eagle shape, γ=4 with the head's weights in bfloat16 (the target stays
-  float32) and the :data:`INT8_SHAPES` with its draft layers over int8 weights (``--draft-quantization int8``); then
-  target-only vs eagle γ=4 (float32 and int8 head) at temperature 0.7;
+  float32), the :data:`INT8_SHAPES` with its draft layers over int8 weights (``--draft-quantization int8``) and the
+  :data:`LOOKUP_SHAPES` with int8 and prompt lookup (the eagle drafter's default; every other eagle row runs the head
+  alone); then target-only vs eagle γ=4 (float32, int8, int8 + lookup) at temperature 0.7;
 * ``budgets``: each head of ``--budget-heads`` (e.g. ``specdec distill --snapshot-minutes`` copies) at γ = 4,
   greedy: training budget -> held-out mean accepted length.
 
@@ -51,7 +52,7 @@ from specdec.cache import default_head_dir
 from specdec.distill.command import SUMMARY_FILE
 from specdec.distill.data import encode_chat
 from specdec.distill.prompts import load_prompt_set
-from specdec.drafters import DraftConfig, Drafter, EagleDrafter, Proposal, build_drafter
+from specdec.drafters import DEFAULT_LOOKUP_MIN_MATCH, DraftConfig, Drafter, EagleDrafter, Proposal, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel, load_model, quiet_model_loading
@@ -70,13 +71,15 @@ SHAPES = {  # each tree beside the chain that verifies as many positions (chain 
 }
 BUDGET_SHAPE = "chain γ=4"
 INT8_SHAPES = ("chain γ=2", "chain γ=3", BUDGET_SHAPE, "tree d3 w2 b4")  # speed rows also run with an int8 head
+LOOKUP_SHAPES = (BUDGET_SHAPE, "tree d3 w2 b4")  # ... and with an int8 head and prompt lookup (the served default)
 TRAINING_KEYS = ("features", "train_minutes", "data_minutes", "training_tokens", "tokens_seen")  # train-summary.json
 MAX_DEPTH = max(config.num_draft_tokens for config in SHAPES.values())
 
 DEFINITIONS = """\
 - A **round** is one target forward: draft (possibly nothing), verify, commit. The first round of every request \
 drafts nothing (the head drafts from the target's features, which arrive with the first verdict: the prompt's \
-prefill), and neither does a round with one token left to generate; these are the **undrafted** rounds.
+prefill; only a prompt-lookup row can draft it, from the prompt's text), and neither does a round with one token \
+left to generate; these are the **undrafted** rounds.
 - **acceptance rate** = accepted / drafted tokens; tree nodes count as drafted (never as accepted length), so a \
 tree's rate is lower by construction.
 - **acc@i** = the fraction of *drafted* rounds whose first i drafted tokens were all accepted (a tree: whose accepted \
@@ -199,16 +202,30 @@ def recording_engine(target: LoadedModel, drafter: Drafter | None) -> RecordingE
 
 
 def eagle_drafters(
-    target: LoadedModel, draft_model: str | None, shapes: Sequence[str] = tuple(SHAPES), quantization: str = "none"
+    target: LoadedModel,
+    draft_model: str | None,
+    shapes: Sequence[str] = tuple(SHAPES),
+    quantization: str = "none",
+    lookup_min_match: int = 0,
 ) -> dict[str, EagleDrafter]:
     """One drafter per named :data:`SHAPES` entry, all over one head (``build_drafter`` finds and checks it), its
-    draft layers ``quantization``."""
+    draft layers ``quantization``; prompt lookup from ``lookup_min_match`` (0, the default here: the head alone)."""
     first_name, *rest = shapes
     first = cast(
         EagleDrafter,
-        build_drafter("eagle", target, SHAPES[first_name], draft_model=draft_model, draft_quantization=quantization),
+        build_drafter(
+            "eagle",
+            target,
+            SHAPES[first_name],
+            draft_model=draft_model,
+            draft_quantization=quantization,
+            lookup_min_match=lookup_min_match,
+        ),
     )
-    return {first_name: first, **{name: EagleDrafter(first.head, SHAPES[name]) for name in rest}}
+    return {
+        first_name: first,
+        **{name: EagleDrafter(first.head, SHAPES[name], lookup_min_match=lookup_min_match) for name in rest},
+    }
 
 
 Config = tuple[RecordingEngine, SamplingParams]
@@ -267,7 +284,12 @@ def acceptance_section(target: LoadedModel, prompts: Sequence[Prompt], settings:
 def agreement_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
     """The head's teacher-forced agreement as served (:mod:`bench.eagle_agreement`) beside what training reported."""
     drafter = build_drafter(
-        "eagle", target, SHAPES[BUDGET_SHAPE], draft_model=settings.draft_model, draft_quantization="none"
+        "eagle",
+        target,
+        SHAPES[BUDGET_SHAPE],
+        draft_model=settings.draft_model,
+        draft_quantization="none",
+        lookup_min_match=0,
     )
     tally = teacher_forced_agreement(
         target, cast(EagleDrafter, drafter), [p.token_ids for p in prompts], settings.max_tokens
@@ -326,8 +348,12 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
         draft_model=settings.draft_model,
         head_dtype=torch.bfloat16,
         draft_quantization="none",
+        lookup_min_match=0,
     )
     int8 = eagle_drafters(target, settings.draft_model, INT8_SHAPES, quantization="int8")
+    lookup = eagle_drafters(
+        target, settings.draft_model, LOOKUP_SHAPES, quantization="int8", lookup_min_match=DEFAULT_LOOKUP_MIN_MATCH
+    )
     greedy: dict[str, Generate] = {
         "target-only": engine_generator(engine(None), max_tokens),
         "target-only, torch's own matmuls": engine_generator(engine(None, pack_weights=False), max_tokens),
@@ -339,6 +365,10 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
             f"eagle {shape}, int8 head": engine_generator(engine(drafter), max_tokens)
             for shape, drafter in int8.items()
         },
+        **{
+            f"eagle {shape}, int8 head + prompt lookup": engine_generator(engine(drafter), max_tokens)
+            for shape, drafter in lookup.items()
+        },
     }
     token_ids = [prompt.token_ids for prompt in prompts]
     rows = _speed_rows(compare(greedy, token_ids), "greedy")
@@ -347,6 +377,9 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
         "target-only": sampled_generator(engine(None), SAMPLED, max_tokens),
         f"eagle {BUDGET_SHAPE}": sampled_generator(engine(drafters[BUDGET_SHAPE]), SAMPLED, max_tokens),
         f"eagle {BUDGET_SHAPE}, int8 head": sampled_generator(engine(int8[BUDGET_SHAPE]), SAMPLED, max_tokens),
+        f"eagle {BUDGET_SHAPE}, int8 head + prompt lookup": sampled_generator(
+            engine(lookup[BUDGET_SHAPE]), SAMPLED, max_tokens
+        ),
     }
     return rows + _speed_rows(compare(sampled, token_ids), "T=0.7")
 
@@ -368,7 +401,12 @@ def budgets_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Se
     rows = []
     for directory in settings.budget_heads:
         drafter = build_drafter(
-            "eagle", target, SHAPES[BUDGET_SHAPE], draft_model=str(directory), draft_quantization="none"
+            "eagle",
+            target,
+            SHAPES[BUDGET_SHAPE],
+            draft_model=str(directory),
+            draft_quantization="none",
+            lookup_min_match=0,
         )
         configs = {BUDGET_SHAPE: (recording_engine(target, drafter), GREEDY)}
         tallies = measure(configs, prompts, settings.max_tokens, f"budget head {directory}")[BUDGET_SHAPE]

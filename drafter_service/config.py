@@ -13,7 +13,7 @@ from grpc_common.convert import MAX_PROPOSAL_NODES
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
 from specdec.drafter_kinds import DRAFTER_KINDS
-from specdec.drafters import DraftConfig, check_quantizable
+from specdec.drafters import DEFAULT_LOOKUP_MIN_MATCH, DraftConfig, check_quantizable
 from specdec.errors import InvalidArgumentError
 from specdec.precision import DRAFT_QUANTIZATIONS, MODEL_DTYPES, check_dtype
 
@@ -42,7 +42,8 @@ class DrafterConfig:
     ``max_batch_calls`` calls. ``eagle_context`` (default 640, the span ``specdec distill`` trains a head on) is how
     many head positions an eagle drafter attends over, and so how many of a prompt's feature rows it is sent;
     ``draft_quantization`` (``auto``, ``none``, ``int8``) what its head's draft layers run on (only an eagle head's
-    can be int8; ``auto``: int8 where a float32 head runs on a CPU that can).
+    can be int8; ``auto``: int8 where a float32 head runs on a CPU that can); ``lookup_min_match`` (default 3; 0:
+    never) makes an eagle round whose text's tail of at least that many tokens occurred before a prompt-lookup chain.
     """
 
     kind: str
@@ -70,6 +71,7 @@ class DrafterConfig:
     max_batch_calls: int = 1024
     max_seq_len: int = 32768
     eagle_context: int | None = None  # None: the head's default (HEAD_CONTEXT)
+    lookup_min_match: int = DEFAULT_LOOKUP_MIN_MATCH
     draft_quantization: str = "auto"
 
     def __post_init__(self) -> None:
@@ -96,6 +98,8 @@ class DrafterConfig:
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.lookup_min_match < 0:
+            raise InvalidArgumentError("lookup_min_match", f"must be >= 0 (0: never), got {self.lookup_min_match}")
         if self.eagle_context is not None and self.eagle_context < 1:
             raise InvalidArgumentError("eagle_context", f"must be >= 1, got {self.eagle_context}")
         for name in ("batch_wait_ms", "torch_threads", "grace_s", "sequence_idle_timeout_s"):
@@ -165,6 +169,12 @@ class DrafterConfig:
         option("max_batch_calls", int, "most calls in one Batch")
         option("max_seq_len", int, "most tokens of a sequence's text (prompt + committed)")
         option("eagle_context", int, "head positions an eagle drafter attends over (default 640, its training span)")
+        option(
+            "lookup_min_match",
+            int,
+            "an eagle round whose text's last tokens, at least this many, occurred before drafts what followed them "
+            "(prompt lookup) instead of running the head (0: never)",
+        )
         option(
             "draft_quantization",
             str,

@@ -50,6 +50,7 @@ def build_core_drafter(
             device=config.device,
             eagle_context=context,
             quantization=config.draft_quantization,
+            lookup_min_match=config.lookup_min_match,
         )
         assert drafter is not None, "a drafter service has a kind"
         return drafter
@@ -66,6 +67,7 @@ def build_core_drafter(
         early_exit_layers=config.early_exit_layers,
         eagle_context=context,
         draft_quantization=config.draft_quantization,
+        lookup_min_match=config.lookup_min_match,
     )
     if owned and config.kind == "early-exit":
         keep = config.early_exit_layers or default_early_exit_layers(target)

@@ -253,6 +253,34 @@ def test_no_features_yet_proposes_nothing(target: LoadedModel) -> None:
         drafter.add_features(handle, 5, torch.zeros(1, drafter.feature_width))  # a gap up to the text's end
 
 
+REPEATING = [1, 2, 3, 4, 9, 1, 2, 3]  # its tail "1 2 3" occurred before, followed by "4 9 1"
+
+
+def test_a_text_repeating_its_tail_is_drafted_by_prompt_lookup_before_any_feature(target: LoadedModel) -> None:
+    """A tail of at least ``lookup_min_match`` tokens seen before: the round proposes what followed it, one-hot (no
+    q rows), even before the first verdict's features; a shorter match, or lookup off, leaves the round to the head
+    (which has nothing to draft from yet); once the tail no longer matches, the head drafts again."""
+    head = random_head(target)
+    config = DraftConfig(num_draft_tokens=3)
+    for min_match, expected in [(3, (4, 9, 1)), (2, (4, 9, 1)), (4, ()), (0, ())]:
+        drafter = EagleDrafter(head, config, lookup_min_match=min_match)
+        handle = drafter.open(REPEATING, SAMPLED, make_generator(0))
+        (proposal,) = drafter.propose([handle], [8])
+        assert (proposal.tree.tokens, proposal.tree.is_chain) == (expected, True), min_match
+        assert proposal.draft_probs is None
+    handle = drafter.open(REPEATING, SAMPLED, make_generator(0))  # lookup off: the head drafts from features
+    drafter.add_features(handle, 0, true_features(target, REPEATING))
+    (by_head,) = drafter.propose([handle], [8])
+    lookup = EagleDrafter(head, config)
+    handle = lookup.open(REPEATING, SAMPLED, make_generator(0))
+    lookup.add_features(handle, 0, true_features(target, REPEATING))
+    assert lookup.propose([handle], [2])[0].tree.tokens == (4, 9)  # the round's budget bounds the chain
+    lookup.commit(handle, [0, 1], [4, 9, 15])  # "3 4 9 15" never occurred: the head drafts
+    lookup.add_features(handle, len(REPEATING), true_features(target, [*REPEATING, 4, 9, 15])[len(REPEATING) :])
+    (proposal,) = lookup.propose([handle], [8])
+    assert len(proposal.tree) == 3 and proposal.draft_probs is not None and by_head.draft_probs is not None
+
+
 @pytest.mark.parametrize("feature_layers", [(), FUSED], ids=["final-norm", "fused"])
 def test_checkpoint_round_trip_gives_identical_proposals(
     target: LoadedModel, tmp_path: Path, feature_layers: tuple[int, ...]
@@ -343,8 +371,10 @@ def examples_of(
 
 
 def accepted_length(target: LoadedModel, head: EagleHead, prompts: list[list[int]]) -> float:
-    """Mean accepted length of greedy chains of 3 over ``prompts`` (co-located engine, 24 tokens each)."""
-    engine = Engine(KVRunner(target.model), frozenset(), EagleDrafter(head, DraftConfig(num_draft_tokens=3)))
+    """Mean accepted length of the head's greedy chains of 3 over ``prompts`` (co-located engine, 24 tokens each; no
+    prompt lookup: a tiny random target repeats itself, and lookup would hide what the head learnt)."""
+    drafter = EagleDrafter(head, DraftConfig(num_draft_tokens=3), lookup_min_match=0)
+    engine = Engine(KVRunner(target.model), frozenset(), drafter)
     results = engine.generate([GenerationRequest(p, GREEDY, max_tokens=24, ignore_eos=True) for p in prompts])
     rounds = sum(r.stats.rounds for r in results)
     return sum(len(r.token_ids) for r in results) / rounds
@@ -417,22 +447,35 @@ def test_colocated_eagle_keeps_the_target_law(
     A head loaded in bfloat16, or with int8 draft layers, drafts from a float32 target's rows: its q is whatever it
     computes, still exact.
     """
-    from scipy.stats import chi2_contingency
-
     save_head(random_head(target, seed=2), tmp_path, HeadInfo(verifier=target.name, num_draft_tokens=3))
     eagle = EagleDrafter.load(
         tmp_path, config, hidden_size=32, vocab_size=VOCAB, dtype=dtype, quantization=quantization
     )
+    assert_target_law(target, eagle, [1, 5, 3], slice(1, 3))
+
+
+def test_colocated_prompt_lookup_keeps_the_target_law(target: LoadedModel) -> None:
+    """The first round of a text repeating its tail is a prompt-lookup chain (one-hot q), and the rounds after it
+    mix lookup and the head: the law of the first three tokens matches target-only sampling (4000 seeded draws,
+    chi-square at 1e-3)."""
+    eagle = EagleDrafter(random_head(target, seed=2), DraftConfig(num_draft_tokens=3, draft_top_k=0))
+    assert eagle.propose([eagle.open(REPEATING, SAMPLED, make_generator(0))], [3])[0].tree.tokens == (4, 9, 1)
+    assert_target_law(target, eagle, REPEATING, slice(0, 3))
+
+
+def assert_target_law(target: LoadedModel, drafter: EagleDrafter, prompt: list[int], window: slice) -> None:
+    """Seeded chi-square (4000 draws, 1e-3) of the law of the emitted tokens in ``window`` with ``drafter`` against
+    target-only sampling."""
+    from scipy.stats import chi2_contingency
+
     runner = KVRunner(target.model)
-    prompt = [1, 5, 3]
     counts = []
-    for drafter in (None, eagle):
-        engine = Engine(runner, frozenset(), drafter)
+    for draft in (None, drafter):
+        engine = Engine(runner, frozenset(), draft)
         requests = [
             GenerationRequest(prompt, SAMPLED, max_tokens=6, seed=seed, ignore_eos=True) for seed in range(4000)
         ]
-        tokens = [tuple(r.token_ids[1:3]) for r in engine.generate(requests)]
-        counts.append(tokens)
+        counts.append([tuple(r.token_ids[window]) for r in engine.generate(requests)])
     outcomes = sorted(set(counts[0]) | set(counts[1]))
     table = [[sum(1 for t in draws if t == outcome) for outcome in outcomes] for draws in counts]
     kept = [i for i in range(len(outcomes)) if table[0][i] + table[1][i] >= 10]

@@ -6,8 +6,10 @@ norm and LM head, its last layer as the head's decoder layer) saved like a train
 verifier -> router -> drafter. The first round of a request drafts nothing (the drafter has no features before the
 prompt is prefilled), so the window of ``LENGTH`` tokens holds eagle rounds from the second token on: chains
 sequential and pipelined (γ = 1, so a pipeline hit's pre-drafted token, verified against the kept row, lies inside
-the window), a tree, temperature 1 and top-k / top-p. Seeded requests through the SDK; their law of the first
-``LENGTH`` tokens must match the law enumerated from the target (chi-square at 1e-3, ``assert_same_law``).
+the window), a tree, temperature 1 and top-k / top-p; and a prompt whose tail repeats, so that rounds are
+prompt-lookup chains (drafted before any feature row arrives) mixed with the head's. Seeded requests through the SDK;
+their law of the first ``LENGTH`` tokens must match the law enumerated from the target (chi-square at 1e-3,
+``assert_same_law``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from specdec_wire.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_service.config import DrafterConfig
 from drafter_service.server import build_core_drafter, start_drafter
 from specdec.client import Client, GenerateResult
-from specdec.drafters import EagleDrafter
+from specdec.drafters import DEFAULT_LOOKUP_MIN_MATCH, EagleDrafter
 from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
-from specdec.errors import ModelNotFoundError
+from specdec.errors import InvalidArgumentError, ModelNotFoundError
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
 from tests.test_end_to_end_distribution import LENGTH, PROMPT, VOCAB, _outcome, assert_same_law, exact_law
@@ -44,7 +46,10 @@ CASES = {
     "chain-pipelined": ("pipelined", 1, 1, SamplingParams(temperature=1.0)),
     "tree-top-k-top-p": ("sequential", 2, 2, SamplingParams(temperature=1.0, top_k=3, top_p=0.9)),
     "chain-pipelined-top-k": ("pipelined", 1, 1, SamplingParams(temperature=0.8, top_k=3)),
+    "lookup-pipelined": ("pipelined", 2, 1, SamplingParams(temperature=1.0)),  # on REPEATING only
 }
+LOOKUP_CASE = "lookup-pipelined"
+REPEATING = [1, 2, 3, 4, 0, 1, 2, 3]  # its tail "1 2 3" occurred before: the first round drafts "4 0" by lookup
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +86,16 @@ def test_the_eagle_drafter_service_reports_its_feature_rows(
     assert (status.kind, status.feature_width, tuple(status.feature_layers)) == ("eagle", width, feature_layers)
 
 
+def test_the_drafter_service_sets_its_eagle_drafters_prompt_lookup(target: LoadedModel, tmp_path: Path) -> None:
+    head = str(save_tiny_head(target, tmp_path))
+    for flags, expected in [([], DEFAULT_LOOKUP_MIN_MATCH), (["--lookup-min-match", "0"], 0)]:
+        config = DrafterConfig.from_args(["--kind", "eagle", "--draft-model", head, *flags], environ={})
+        drafter = build_core_drafter(config, target=target)
+        assert isinstance(drafter, EagleDrafter) and drafter.lookup_min_match == expected
+    with pytest.raises(InvalidArgumentError, match=r"^lookup_min_match: must be >= 0"):
+        DrafterConfig(kind="eagle", lookup_min_match=-1)
+
+
 def test_without_a_draft_model_the_head_cached_for_the_target_is_used(
     target: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -99,14 +114,14 @@ def fused_router_address(target: LoadedModel, tmp_path_factory: pytest.TempPathF
         yield router.grpc_address
 
 
-def sample(address: str, case: str, seed: int) -> list[GenerateResult]:
-    """``SAMPLES`` seeded requests of ``case``, 16 at a time over one channel."""
+def sample(address: str, case: str, seed: int, prompt: list[int] = PROMPT) -> list[GenerateResult]:
+    """``SAMPLES`` seeded requests of ``case`` on ``prompt``, 16 at a time over one channel."""
     speculation, num_draft_tokens, tree_width, params = CASES[case]
     client = Client(address, timeout_s=60)
 
     def one(index: int) -> GenerateResult:
         return client.generate(
-            prompt_ids=PROMPT,
+            prompt_ids=prompt,
             max_tokens=MAX_TOKENS,
             temperature=params.temperature,
             top_k=params.top_k,
@@ -124,7 +139,7 @@ def sample(address: str, case: str, seed: int) -> list[GenerateResult]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [case for case in CASES if case != LOOKUP_CASE])
 def test_eagle_over_the_wire_follows_the_target_law(router_address: str, target: LoadedModel, case: str) -> None:
     check_law(router_address, target, case, seed=90_000 + 10_000 * list(CASES).index(case))
 
@@ -138,16 +153,24 @@ def test_a_fused_eagle3_head_over_the_wire_follows_the_target_law(
     check_law(fused_router_address, target, "chain-pipelined", seed=190_000)
 
 
-def check_law(address: str, target: LoadedModel, case: str, seed: int) -> None:
+@pytest.mark.slow
+def test_prompt_lookup_rounds_over_the_wire_follow_the_target_law(router_address: str, target: LoadedModel) -> None:
+    """A prompt repeating its tail: the first round is a prompt-lookup chain (one-hot q, before any feature row), and
+    pipelined rounds after it pre-draft by lookup on the assumed chain or by the head; the law of the first
+    ``LENGTH`` tokens is the target's."""
+    check_law(router_address, target, LOOKUP_CASE, seed=290_000, prompt=REPEATING)
+
+
+def check_law(address: str, target: LoadedModel, case: str, seed: int, prompt: list[int] = PROMPT) -> None:
     speculation, _, _, params = CASES[case]
-    results = sample(address, case, seed=seed)
+    results = sample(address, case, seed=seed, prompt=prompt)
     stats = [result.stats for result in results]
     assert not any(s.drafter_fallback for s in stats)
     assert sum(s.accepted_tokens for s in stats) > 0 and all(s.feature_bytes > 0 for s in stats)
     if speculation == "pipelined":
         assert sum(s.pipeline_hits for s in stats) > 0 and sum(s.pipeline_misses for s in stats) > 0
     counts = Counter(_outcome(result.token_ids, frozenset()) for result in results)
-    assert_same_law(counts, exact_law(target, params, stop_at_eos=False))
+    assert_same_law(counts, exact_law(target, params, stop_at_eos=False, prompt=prompt))
 
 
 def greedy_eagle_chain(address: str, prompt: list[int], max_tokens: int) -> GenerateResult:

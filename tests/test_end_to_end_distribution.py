@@ -38,12 +38,14 @@ def draft(target):
     return tiny_draft(target, seed=12, num_layers=1, noise=0.3)
 
 
-def exact_law(target, params: SamplingParams, stop_at_eos: bool) -> dict[tuple[int, ...], float]:
-    """P(first LENGTH tokens) under the target, cut after the first EOS when ``stop_at_eos``."""
+def exact_law(
+    target, params: SamplingParams, stop_at_eos: bool, prompt: list[int] = PROMPT
+) -> dict[tuple[int, ...], float]:
+    """P(first LENGTH tokens after ``prompt``) under the target, cut after the first EOS when ``stop_at_eos``."""
     sequences = torch.tensor(list(itertools.product(range(VOCAB), repeat=LENGTH)))
-    inputs = torch.cat([torch.tensor(PROMPT).expand(len(sequences), -1), sequences], dim=1)
+    inputs = torch.cat([torch.tensor(prompt).expand(len(sequences), -1), sequences], dim=1)
     with torch.inference_mode():
-        logits = target.model(inputs.to(target.model.device)).logits[:, len(PROMPT) - 1 : -1].double().cpu()
+        logits = target.model(inputs.to(target.model.device)).logits[:, len(prompt) - 1 : -1].double().cpu()
     probs = logits_to_probs(logits, params).double()  # [S, LENGTH, V]
     seq_probs = probs.gather(-1, sequences.unsqueeze(-1)).squeeze(-1).prod(dim=-1)
     law: Counter = Counter()

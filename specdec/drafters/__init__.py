@@ -13,7 +13,7 @@ import torch
 from specdec.cache import default_head_dir
 from specdec.drafter_kinds import DRAFTER_KINDS, SHAPE_ONLY_KINDS, DrafterKind
 from specdec.drafters.base import DraftConfig, Drafter, Proposal, SequenceDrafter
-from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle import DEFAULT_LOOKUP_MIN_MATCH, EagleDrafter
 from specdec.drafters.eagle_head import HEAD_CONTEXT
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
@@ -23,6 +23,7 @@ from specdec.precision import check_draft_quantization
 from specdec.runner import KVRunner
 
 __all__ = [
+    "DEFAULT_LOOKUP_MIN_MATCH",
     "DRAFTER_KINDS",
     "SHAPE_ONLY_KINDS",
     "DraftConfig",
@@ -63,6 +64,7 @@ def build_drafter(
     head_dtype: torch.dtype | None = None,
     eagle_context: int = HEAD_CONTEXT,
     draft_quantization: str = "auto",
+    lookup_min_match: int = DEFAULT_LOOKUP_MIN_MATCH,
 ) -> Drafter | None:
     """The drafter of ``kind`` for ``target`` (``None`` for ``kind == "none"``).
 
@@ -70,7 +72,8 @@ def build_drafter(
     (:func:`~specdec.cache.default_head_dir`, made by ``specdec distill``), on the target's device in
     ``head_dtype`` (None: the target's dtype), attending over ``eagle_context`` head positions, its draft layers
     ``draft_quantization`` (:class:`~specdec.drafters.eagle.EagleDrafter`; ``auto``: int8 where a float32 head runs
-    on a CPU that can); only an eagle head can be int8.
+    on a CPU that can); only an eagle head can be int8. An eagle round whose text's tail occurred before, at least
+    ``lookup_min_match`` tokens of it (0: never), is a prompt-lookup chain instead of the head's draft.
     """
     check_quantizable(kind, draft_quantization)
     if kind in SHAPE_ONLY_KINDS:
@@ -85,6 +88,7 @@ def build_drafter(
             device=target.model.device,
             eagle_context=eagle_context,
             quantization=draft_quantization,
+            lookup_min_match=lookup_min_match,
         )
     if kind == "model":
         if draft_model is None:
@@ -111,10 +115,11 @@ def build_shape_drafter(
     device: str | torch.device = "cpu",
     eagle_context: int = HEAD_CONTEXT,
     quantization: str = "auto",
+    lookup_min_match: int = DEFAULT_LOOKUP_MIN_MATCH,
 ) -> Drafter | None:
     """A drafter of one of :data:`SHAPE_ONLY_KINDS`, which run none of the target's weights, from the target's
     sizes alone (:func:`~specdec.models.load_shape`); ``eagle``: its head in ``dtype`` on ``device``, its draft
-    layers ``quantization`` (only an eagle head's can be)."""
+    layers ``quantization`` (only an eagle head's can be), its prompt lookup from ``lookup_min_match``."""
     check_quantizable(kind, quantization)
     if kind == "none":
         return None
@@ -137,4 +142,5 @@ def build_shape_drafter(
         device=usable_device(device),
         context=eagle_context,
         quantization=quantization,
+        lookup_min_match=lookup_min_match,
     )

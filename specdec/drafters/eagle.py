@@ -21,6 +21,14 @@ has not yet prefilled the prompt) the drafter proposes nothing, and that round i
 text is rolled back, features, predictions and head KV beyond the common prefix are dropped: pointer arithmetic
 on ``L`` and ``c``.
 
+**Prompt lookup.** Code edits, rewrites and quotations copy their prompt, where the text's own tail predicts the
+next tokens better than any head. A round whose text ends in a few tokens that occurred before proposes what
+followed them (as :class:`~specdec.drafters.ngram.NgramDrafter` does, with a longer required match) and runs no head
+forward; every other round drafts with the head. Which one a round uses depends on the text alone, and a lookup
+chain is deterministic (``q`` one-hot), so the output law is unchanged (DESIGN §3). The head's pending rows simply
+wait for its next round; a chain pre-drafted on an assumed lookup chain has no predicted features, so it is a
+lookup chain or nothing. Measured in ``bench/results/eagle-lookup.md``.
+
 **Context.** A round attends over the head KV of at most the last ``context`` head positions of its text
 (:data:`~specdec.drafters.eagle_head.HEAD_CONTEXT` by default: the span ``specdec distill`` trains a head on), plus
 its own pending rows and nodes. The target's features already carry the whole text; the head's own attention
@@ -54,11 +62,15 @@ from specdec.drafters.model import (
     grow_level,
     mark_stopped,
 )
+from specdec.drafters.ngram import lookup_continuation
 from specdec.errors import InvalidArgumentError
 from specdec.linear import can_quantize, packed_for_inference
 from specdec.precision import check_draft_quantization
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
+
+LOOKUP_MAX_MATCH = 8  # the longest tail prompt lookup matches: a longer match names its context more surely
+DEFAULT_LOOKUP_MIN_MATCH = 3  # bench/results/eagle-lookup.md: 2, 3 and 4 measured alike; 3 fires on fewer chance hits
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,14 +155,26 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     engine, or it is refused); ``"auto"`` does where that holds and runs the head as loaded elsewhere. q is computed
     from those layers, so the output law is unchanged and only acceptance can move. ``fc``, which reads the
     target's rows once a round, stays as it is.
+
+    ``lookup_min_match`` > 0 makes a round whose text's last tokens (at least that many) occurred earlier in the text a
+    **prompt-lookup** chain instead: what followed the longest such match, most recent first, up to the round's node
+    budget (see the module).
     """
 
     def __init__(
-        self, head: EagleHead, config: DraftConfig, context: int = HEAD_CONTEXT, quantization: str = "none"
+        self,
+        head: EagleHead,
+        config: DraftConfig,
+        context: int = HEAD_CONTEXT,
+        quantization: str = "none",
+        lookup_min_match: int = DEFAULT_LOOKUP_MIN_MATCH,
     ) -> None:
         super().__init__(config, head.vocab_size)
         if context < 1:
             raise InvalidArgumentError("context", f"must be >= 1, got {context}")
+        if lookup_min_match < 0:
+            raise InvalidArgumentError("lookup_min_match", f"must be >= 0 (0: never), got {lookup_min_match}")
+        self.lookup_min_match = lookup_min_match
         quantizable = can_quantize(head.lm_head)
         if check_draft_quantization(quantization) == "int8" and not quantizable:
             weight = head.lm_head.weight
@@ -182,15 +206,17 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         device: str | torch.device = "cpu",
         context: int = HEAD_CONTEXT,
         quantization: str = "none",
+        lookup_min_match: int = DEFAULT_LOOKUP_MIN_MATCH,
     ) -> EagleDrafter:
         """The head stored in ``directory`` (checked against the target's sizes), its weights in ``dtype`` on
-        ``device``, its draft layers ``quantization`` (see the class). bfloat16 halves the bytes a draft step reads;
-        the rotary frequencies stay float32, and q is always computed in float32 from the head's logits."""
+        ``device``, its draft layers ``quantization``, prompt lookup from ``lookup_min_match`` (see the class).
+        bfloat16 halves the bytes a draft step reads; the rotary frequencies stay float32, and q is always computed in
+        float32 from the head's logits."""
         head, _ = load_head(directory, hidden_size=hidden_size, vocab_size=vocab_size)
         head.to(device)
         for parameter in head.parameters():
             parameter.data = parameter.data.to(dtype)
-        return cls(head, config, context, quantization)
+        return cls(head, config, context, quantization, lookup_min_match)
 
     @property
     def feature_width(self) -> int:
@@ -248,7 +274,11 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     @torch.inference_mode()
     def propose(self, handles: list[int], max_tokens: list[int], stop: StopCheck | None = None) -> list[Proposal]:
         states = self._sequences_for(handles, max_tokens)
-        rounds = [self._plan(state, budget) for state, budget in zip(states, max_tokens, strict=True)]
+        lookups = [self._lookup(state, budget) for state, budget in zip(states, max_tokens, strict=True)]
+        rounds = [
+            None if lookup else self._plan(state, budget)
+            for state, budget, lookup in zip(states, max_tokens, lookups, strict=True)
+        ]
         planned = [(handle, plan) for handle, plan in zip(handles, rounds, strict=True) if plan is not None]
         drafts, planned_handles = [plan.draft for _, plan in planned], [handle for handle, _ in planned]
         mark_stopped(drafts, planned_handles, stop)
@@ -263,7 +293,14 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
                     break
                 self._forward_level(level, depth)
         proposals = []
-        for state, plan in zip(states, rounds, strict=True):
+        for state, plan, lookup in zip(states, rounds, lookups, strict=True):
+            if lookup:
+                tree, path = TokenTree.chain(lookup), tuple(range(len(lookup)))
+                state.outstanding = _Drafted(
+                    tree, path, base_length=len(state.text), root_prediction=None, node_predictions=(None,) * len(tree)
+                )
+                proposals.append(Proposal(tree, None, "iid", path))
+                continue
             if plan is None:
                 state.outstanding = _Drafted(
                     TokenTree.empty(), (), base_length=len(state.text), root_prediction=None, node_predictions=()
@@ -288,6 +325,16 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
             )
             proposals.append(draft_proposal(draft, assumed, rejections))
         return proposals
+
+    def _lookup(self, state: _Sequence, budget: int) -> list[int]:
+        """This round's chain by prompt lookup: what followed the most recent earlier occurrence of the text's tail,
+        when that tail is at least ``lookup_min_match`` tokens long (else none: the head drafts)."""
+        if not self.lookup_min_match:
+            return []
+        limit = min(budget, state.config.max_nodes, self.max_seq_len - len(state.text))
+        if limit <= 0:
+            return []
+        return lookup_continuation(state.text, LOOKUP_MAX_MATCH, self.lookup_min_match, limit)
 
     def _plan(self, state: _Sequence, budget: int) -> _Round | None:
         """This round's pending rows and depth, or None when the sequence cannot draft (no features yet)."""
