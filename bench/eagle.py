@@ -16,6 +16,8 @@ load hits all alike). Sections (``--sections``, default all; ``budgets`` needs `
   float32), the :data:`INT8_SHAPES` with its draft layers over int8 weights (``--draft-quantization int8``) and the
   :data:`LOOKUP_SHAPES` with int8 and prompt lookup (the eagle drafter's default; every other eagle row runs the head
   alone); then target-only vs eagle γ=4 (float32, int8, int8 + lookup) at temperature 0.7;
+* ``lookup``: per category, greedy and temperature 0.7, target-only against the int8 head at γ = 4 alone and with
+  prompt lookup from each of :data:`LOOKUP_MIN_MATCHES` (the tail match that makes a round a lookup chain);
 * ``budgets``: each head of ``--budget-heads`` (e.g. ``specdec distill --snapshot-minutes`` copies) at γ = 4,
   greedy: training budget -> held-out mean accepted length.
 
@@ -60,7 +62,7 @@ from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 from specdec.verification import VerifyOutcome
 
-SECTIONS = ("acceptance", "agreement", "speed", "budgets")
+SECTIONS = ("acceptance", "agreement", "speed", "lookup", "budgets")
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.7)
 SAMPLINGS = {"greedy": GREEDY, "T=0.7": SAMPLED}
@@ -72,6 +74,7 @@ SHAPES = {  # each tree beside the chain that verifies as many positions (chain 
 BUDGET_SHAPE = "chain γ=4"
 INT8_SHAPES = ("chain γ=2", "chain γ=3", BUDGET_SHAPE, "tree d3 w2 b4")  # speed rows also run with an int8 head
 LOOKUP_SHAPES = (BUDGET_SHAPE, "tree d3 w2 b4")  # ... and with an int8 head and prompt lookup (the served default)
+LOOKUP_MIN_MATCHES = (0, 3, 5)  # the lookup section: the head alone, then prompt lookup from these tail matches
 TRAINING_KEYS = ("features", "train_minutes", "data_minutes", "training_tokens", "tokens_seen")  # train-summary.json
 MAX_DEPTH = max(config.num_draft_tokens for config in SHAPES.values())
 
@@ -416,11 +419,50 @@ def budgets_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Se
     return rows
 
 
+def lookup_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
+    """Target-only and the int8 head at γ = 4 with each of :data:`LOOKUP_MIN_MATCHES`, greedy and T = 0.7, with
+    tokens per round and speed by category."""
+    engines: dict[str, RecordingEngine] = {"target-only": recording_engine(target, None)}
+    for min_match in LOOKUP_MIN_MATCHES:
+        [drafter] = eagle_drafters(
+            target, settings.draft_model, [BUDGET_SHAPE], quantization="int8", lookup_min_match=min_match
+        ).values()
+        engines[f"lookup ≥ {min_match}" if min_match else "head alone"] = recording_engine(target, drafter)
+    configs = {
+        (sampling, name): (engine, params) for sampling, params in SAMPLINGS.items() for name, engine in engines.items()
+    }
+    tallies = measure(configs, prompts, settings.max_tokens, "lookup")
+    rows = []
+    for (sampling, name), by_category in tallies.items():
+        baseline = tallies[sampling, "target-only"]
+        speed = {key: _per_s(tally) / _per_s(baseline[key]) for key, tally in by_category.items()}
+        summary = {key: tally.summary(SHAPES[BUDGET_SHAPE].num_draft_tokens) for key, tally in by_category.items()}
+        rows.append(
+            {
+                "sampling": sampling,
+                "config": name,
+                **summary["all"],
+                "speedup": speed["all"],
+                "by_category": {
+                    key: {"tokens_per_round": summary[key]["tokens_per_round"], "speedup": speed[key]}
+                    for key in sorted(by_category)
+                    if key != "all"
+                },
+            }
+        )
+    return rows
+
+
+def _per_s(tally: Tally) -> float:
+    return tally.tokens / tally.seconds
+
+
 SectionRun = Callable[[LoadedModel, Sequence[Prompt], Settings], list[dict[str, Any]]]
 SECTION_RUNS: dict[str, SectionRun] = {
     "acceptance": acceptance_section,
     "agreement": agreement_section,
     "speed": speed_section,
+    "lookup": lookup_section,
     "budgets": budgets_section,
 }
 
@@ -557,6 +599,25 @@ def _speed_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _lookup_table(rows: list[dict[str, Any]]) -> list[str]:
+    categories = sorted({category for row in rows for category in row["by_category"]})
+    lines = [
+        "tokens/round, then × target-only in tokens/s, overall and by category:",
+        "",
+        "| sampling | config | tokens/round | × target-only | "
+        + " | ".join(f"{category} tok/round, ×" for category in categories)
+        + " |",
+        "|---|---|---|---" + "|---" * len(categories) + "|",
+    ]
+    for row in rows:
+        cells = [row["sampling"], row["config"], _fmt(row["tokens_per_round"]), _fmt(row["speedup"])]
+        for category in categories:
+            entry = row["by_category"].get(category)
+            cells.append(f"{_fmt(entry['tokens_per_round'])}, {_fmt(entry['speedup'])}" if entry else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _budget_table(rows: list[dict[str, Any]]) -> list[str]:
     depth = SHAPES[BUDGET_SHAPE].num_draft_tokens
     acc_heads = " | ".join(f"acc@{i}" for i in range(1, depth + 1))
@@ -609,6 +670,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "acceptance": ("Acceptance (co-located, held-out prompts)", _acceptance_table),
         "agreement": ("Teacher-forced agreement as served (greedy answers, depth 1)", _agreement_table),
         "speed": ("Speed (greedy, batch 1, configurations interleaved prompt by prompt)", _speed_table),
+        "lookup": ("Prompt lookup in the eagle drafter (int8 head, γ = 4, batch 1, interleaved)", _lookup_table),
         "budgets": ("Training budget → held-out mean accepted length (γ = 4, greedy)", _budget_table),
     }
     for name in SECTIONS:

@@ -42,7 +42,7 @@ class DrafterConfig:
     ``max_batch_calls`` calls. ``eagle_context`` (default 640, the span ``specdec distill`` trains a head on) is how
     many head positions an eagle drafter attends over, and so how many of a prompt's feature rows it is sent;
     ``draft_quantization`` (``auto``, ``none``, ``int8``) what its head's draft layers run on (only an eagle head's
-    can be int8; ``auto``: int8 where a float32 head runs on a CPU that can); ``lookup_min_match`` (default 3; 0:
+    can be int8; ``auto``: int8 where a float32 head runs on a CPU that can); ``lookup_min_match`` (default 5; 0:
     never) makes an eagle round whose text's tail of at least that many tokens occurred before a prompt-lookup chain.
     """
 

@@ -175,6 +175,35 @@ def test_eagle_acceptance_section_on_a_tiny_model(tmp_path: Path) -> None:
     )
 
 
+def test_eagle_lookup_section_on_a_tiny_model(tmp_path: Path) -> None:
+    """Target-only, the head alone and each lookup threshold, greedy and T = 0.7, with each category's tokens per
+    round and speed-up; a prompt repeating itself is drafted from its first round on by lookup only."""
+    import torch
+
+    from bench.eagle import LOOKUP_MIN_MATCHES, SAMPLINGS, Prompt, Settings, describe, run_sections
+    from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+    from tests.tiny_models import tiny_llama
+
+    target = tiny_llama(seed=3, vocab_size=32, num_layers=2)
+    head = tmp_path / "head"
+    save_head(EagleHead.from_target(target.model, torch.arange(32)), head, HeadInfo(target.name, 4))
+    prompts = [Prompt("copy", "a", [3, 4, 5, 6, 7, 8] * 2), Prompt("plain", "b", [9, 1, 2, 11, 13, 17])]
+    meta = describe(target.name, str(head), prompts, 8, "python -m bench.eagle --sections lookup")
+    run_sections(target, prompts, ["lookup"], Settings(8, str(head)), meta, tmp_path / "out" / "eagle")
+
+    rows = json.loads((tmp_path / "out" / "eagle.json").read_text())["lookup"]["rows"]
+    names = ["target-only", *(f"lookup ≥ {m}" if m else "head alone" for m in LOOKUP_MIN_MATCHES)]
+    assert [(r["sampling"], r["config"]) for r in rows] == [(s, n) for s in SAMPLINGS for n in names]
+    for row in rows:
+        assert set(row["by_category"]) == {"a", "b"} and row["speedup"] > 0
+        if row["config"] == "target-only":
+            assert row["speedup"] == 1 and row["draft_tokens"] == 0
+    by_name = {(r["sampling"], r["config"]): r for r in rows}
+    # every request's first round: nothing to draft from for the head, a whole chain by lookup on the copy prompt
+    assert by_name["greedy", "lookup ≥ 5"]["drafted_rounds"] > by_name["greedy", "head alone"]["drafted_rounds"]
+    assert "| greedy | lookup ≥ 5 |" in (tmp_path / "out" / "eagle.md").read_text()
+
+
 @pytest.mark.parametrize("feature_layers", [(), (0, 1)], ids=["final-norm", "fused"])
 def test_eagle_agreement_section_serves_what_training_learnt(tmp_path: Path, feature_layers: tuple[int, ...]) -> None:
     """A head trained on the target's greedy answers to these very prompts agrees on most of their positions when

@@ -271,7 +271,7 @@ def test_a_text_repeating_its_tail_is_drafted_by_prompt_lookup_before_any_featur
     handle = drafter.open(REPEATING, SAMPLED, make_generator(0))  # lookup off: the head drafts from features
     drafter.add_features(handle, 0, true_features(target, REPEATING))
     (by_head,) = drafter.propose([handle], [8])
-    lookup = EagleDrafter(head, config)
+    lookup = EagleDrafter(head, config, lookup_min_match=3)
     handle = lookup.open(REPEATING, SAMPLED, make_generator(0))
     lookup.add_features(handle, 0, true_features(target, REPEATING))
     assert lookup.propose([handle], [2])[0].tree.tokens == (4, 9)  # the round's budget bounds the chain
@@ -458,7 +458,9 @@ def test_colocated_prompt_lookup_keeps_the_target_law(target: LoadedModel) -> No
     """The first round of a text repeating its tail is a prompt-lookup chain (one-hot q), and the rounds after it
     mix lookup and the head: the law of the first three tokens matches target-only sampling (4000 seeded draws,
     chi-square at 1e-3)."""
-    eagle = EagleDrafter(random_head(target, seed=2), DraftConfig(num_draft_tokens=3, draft_top_k=0))
+    eagle = EagleDrafter(
+        random_head(target, seed=2), DraftConfig(num_draft_tokens=3, draft_top_k=0), lookup_min_match=3
+    )
     assert eagle.propose([eagle.open(REPEATING, SAMPLED, make_generator(0))], [3])[0].tree.tokens == (4, 9, 1)
     assert_target_law(target, eagle, REPEATING, slice(0, 3))
 

@@ -49,7 +49,7 @@ CASES = {
     "lookup-pipelined": ("pipelined", 2, 1, SamplingParams(temperature=1.0)),  # on REPEATING only
 }
 LOOKUP_CASE = "lookup-pipelined"
-REPEATING = [1, 2, 3, 4, 0, 1, 2, 3]  # its tail "1 2 3" occurred before: the first round drafts "4 0" by lookup
+REPEATING = [1, 2, 3, 4, 0, 2, 1, 2, 3, 4, 0]  # its tail "1 2 3 4 0" occurred before: the first round drafts "2 1"
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,9 @@ from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 
 LOOKUP_MAX_MATCH = 8  # the longest tail prompt lookup matches: a longer match names its context more surely
-DEFAULT_LOOKUP_MIN_MATCH = 3  # bench/results/eagle-lookup.md: 2, 3 and 4 measured alike; 3 fires on fewer chance hits
+# 5: a chance match of 3 or 4 tokens in chat, lists or QA proposed chains the head would have beaten (measured per
+# prompt, bench/results/eagle-lookup.md), while copying (rewrite, summarise) matches longer anyway
+DEFAULT_LOOKUP_MIN_MATCH = 5
 
 
 @dataclass(frozen=True, kw_only=True)
