@@ -38,7 +38,13 @@ estimate moves only on evidence, and so does the population's, which every new r
 is due a probe at once: the population follows the last requests, and after a short greeting whose two drafts were
 rejected (``make demo``'s warm-up) it stood at 0.25 by position, so the next request drafted nothing for 24 of its
 43 rounds and ran 0.70x as fast as sequential speculation, on a prompt the head drafts well. Without the
-probe a few early rejections (a short greeting, say) would keep the router from ever drafting again. Each probe that
+probe a few early rejections (a short greeting, say) would keep the router from ever drafting again. Nor should two
+rejections set the population: it starts from ``population_prior_weight`` (8) observations at ``prior_rate``, not 2,
+so that greeting leaves it at 0.4, not 0.25 (at 0.25 the first probe of the next request was rejected, and the
+request then drafted nothing for 50 of its 52 rounds: 0.62x of sequential speculation). And a request's own estimate
+starts from the population as ``request_prior_weight`` (4) observations: at 2, the rejection of a request's first
+draft took it from 0.4 to 0.27, where the drafter call's cost (2.7 ms on a 22 ms forward) made no draft pay, and the
+request drafted nothing until its next probe (7-38 rounds, 0.65-0.86x of sequential speculation). Each probe that
 accepts nothing doubles the request's wait for the next (up to ``PROBE_BACKOFF_DOUBLINGS`` times: 128 rounds), and a
 round that accepts anything resets it: a probe is not free (on a CPU an EAGLE drafter's first draft of a request
 runs its head over the whole prompt, and the forward grows by a position), and with a draft that never paid, the
@@ -63,6 +69,7 @@ from dataclasses import dataclass, field
 PROBE_BACKOFF_DOUBLINGS = 3  # the wait between failed probes of a request grows to at most 8 x probe_every
 PRIOR_FORWARD_S = 0.01  # a guess at a one-position forward until one is measured
 PRIOR_SLOPE = 0.125  # ...and at what each further position adds, relative to it (then scaled by measurements)
+FULL_SAMPLES = 4  # a count measured fewer times is priced partly by the line through every count
 RECENT_SAMPLES = 10  # a cost curve's count costs the mean of the lower three quarters of its last this many samples
 
 
@@ -88,7 +95,11 @@ class CostCurve:
     average kept it: on the CPU stack one 85 ms forward among 25 ms ones priced 4 positions at 37 ms, after which the
     controller never chose that many again, so nothing corrected it, and ``auto`` drafted 1-2 tokens a round where
     sequential speculation's 4 ran 12 % faster. The trimmed mean still follows a real change within a window, and
-    averages the ordinary noise about as a moving average did. A query between measured counts interpolates
+    averages the ordinary noise about as a moving average did. A count measured fewer than ``FULL_SAMPLES`` times
+    fills its missing samples from the least-squares line through every count (weighted by their measurements):
+    the controller measures again only the counts it chooses, so one slow first forward of a size kept it from
+    choosing that size (on the CPU stack a first 5-position forward of 34 ms, where 2 positions took 24, made 4 drafted
+    tokens look dearer than 1 for the next 14 rounds). A query between measured counts interpolates
     linearly; past either end it goes on from the nearest measured count along the least-squares slope of every
     measured count (never downhill): a slope fitted to all the points, not to the two nearest, so a noisy
     pair cannot make one more position look free or dear. Below the smallest measured count it never falls under
@@ -102,6 +113,7 @@ class CostCurve:
         self._positions: list[int] = []  # sorted measured counts
         self._recent: dict[int, deque[float]] = {}
         self._values: dict[int, float] = {}  # each count's cost from its recent measurements
+        self._estimates: dict[int, float] | None = None  # what each count is priced at (None: not computed since)
 
     def observe(self, positions: int, seconds: float) -> None:
         if positions < 1 or seconds <= 0:
@@ -113,6 +125,7 @@ class CostCurve:
         recent.append(seconds)
         kept = sorted(recent)[: max(len(recent) * 3 // 4, 1)]
         self._values[positions] = sum(kept) / len(kept)
+        self._estimates = None
 
     def points(self) -> list[tuple[int, float]]:
         """The measured curve: (positions, seconds) by increasing positions."""
@@ -123,29 +136,49 @@ class CostCurve:
         if len(known) < 2:
             scale = self._prior_s if not known else self._values[known[0]] / self._prior_line(known[0])
             return scale * self._prior_line(positions)
+        values = self._estimated()
         index = bisect.bisect_left(known, positions)
         if 0 < index < len(known):
             low, high = known[index - 1], known[index]
-            low_s, high_s = self._values[low], self._values[high]
+            low_s, high_s = values[low], values[high]
             return low_s + (high_s - low_s) * (positions - low) / (high - low)
         if index == 0 and known[0] == positions:
-            return self._values[positions]
+            return values[positions]
         nearest = known[0] if index == 0 else known[-1]
-        extended = self._values[nearest] + self._slope() * (positions - nearest)
+        extended = values[nearest] + self._slope() * (positions - nearest)
         if index == 0:  # below every measured count the line may cross 0; a forward's cost per position does not
-            return max(extended, self._values[nearest] * positions / nearest)  # fall as the forward shrinks
+            return max(extended, values[nearest] * positions / nearest)  # fall as the forward shrinks
         return extended
 
+    def _estimated(self) -> dict[int, float]:
+        """Each measured count's price: its own cost, its missing samples (below ``FULL_SAMPLES``) filled from the
+        weighted least-squares line through every count."""
+        if self._estimates is None:
+            counts = {n: len(self._recent[n]) for n in self._positions}
+            intercept, slope = _line([(n, self._values[n], counts[n]) for n in self._positions])
+            self._estimates = {
+                n: (k * self._values[n] + max(FULL_SAMPLES - k, 0) * (intercept + slope * n)) / max(k, FULL_SAMPLES)
+                for n, k in counts.items()
+            }
+        return self._estimates
+
     def _slope(self) -> float:
-        points = self.points()
-        mean_n = sum(n for n, _ in points) / len(points)
-        mean_s = sum(s for _, s in points) / len(points)
-        spread = sum((n - mean_n) ** 2 for n, _ in points)
-        return max(sum((n - mean_n) * (s - mean_s) for n, s in points) / spread, 0.0)
+        return _line([(n, s, 1) for n, s in self._estimated().items()])[1]
 
     @staticmethod
     def _prior_line(positions: int) -> float:
         return 1 + PRIOR_SLOPE * (positions - 1)
+
+
+def _line(points: Sequence[tuple[int, float, int]]) -> tuple[float, float]:
+    """Intercept and slope of the least-squares line through ``(count, seconds, weight)`` points (at least two
+    counts), the slope never below 0 (a step never gets cheaper with more in it)."""
+    total = sum(w for _, _, w in points)
+    mean_n = sum(n * w for n, _, w in points) / total
+    mean_s = sum(s * w for _, s, w in points) / total
+    spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
+    slope = max(sum(w * (n - mean_n) * (s - mean_s) for n, s, w in points) / spread, 0.0)
+    return mean_s - slope * mean_n, slope
 
 
 def rows_per_level(nodes: int, depth: int) -> int:
@@ -258,6 +291,8 @@ class SpeculationController:
         *,
         prior_rate: float = 0.5,
         population_decay: float = 0.98,
+        population_prior_weight: float = 8.0,
+        request_prior_weight: float = 4.0,
         min_gain: float = 0.05,
         probe_every: int = 16,
     ) -> None:
@@ -265,13 +300,16 @@ class SpeculationController:
         self.min_gain = min_gain  # how much faster than plain target steps speculation must be predicted to be
         self.probe_every = probe_every  # a request idle this many rounds drafts one level to measure again
         self.cost = RoundCost()
-        self.population = AcceptanceTracker([prior_rate] * max_length, decay=population_decay)
+        self.population = AcceptanceTracker(
+            [prior_rate] * max_length, prior_weight=population_prior_weight, decay=population_decay
+        )
+        self.request_prior_weight = request_prior_weight  # observations a new request's population prior counts as
         self.tokens_per_round = MovingAverage(initial=1.0)  # committed per sequence per round, all requests
 
     def tracker(self) -> AcceptanceTracker:
         """A new request's tracker, starting from what the population accepts, and due a probe: where the population
         says drafting does not pay, the request drafts one level to see for itself (module docstring)."""
-        tracker = AcceptanceTracker(self.population.rates())
+        tracker = AcceptanceTracker(self.population.rates(), prior_weight=self.request_prior_weight)
         tracker.idle_rounds = self.probe_every
         return tracker
 

@@ -7,13 +7,21 @@ import random
 
 import pytest
 
-from specdec.adaptive import AcceptanceTracker, Candidate, CostCurve, SpeculationController, rows_per_level
+from specdec.adaptive import (
+    FULL_SAMPLES,
+    AcceptanceTracker,
+    Candidate,
+    CostCurve,
+    SpeculationController,
+    rows_per_level,
+)
 
 
 def controller_with(forward_ms, *, draft_level_ms: float = 0.0, overhead_ms: float = 0.0, max_length: int = 8):
-    """A controller whose costs were measured on a verifier with ``forward_ms(positions)``."""
+    """A controller whose costs were measured (each count ``FULL_SAMPLES`` times) on a verifier with
+    ``forward_ms(positions)``."""
     controller = SpeculationController(max_length)
-    for positions in range(1, 65):
+    for positions, _ in itertools.product(range(1, 65), range(FULL_SAMPLES)):
         controller.cost.forward.observe(positions, forward_ms(positions) / 1e3)
     controller.cost.draft_level.observe(1, draft_level_ms / 1e3)
     controller.cost.overhead_s.add(overhead_ms / 1e3)
@@ -86,6 +94,32 @@ def test_one_slow_forward_does_not_keep_the_controller_from_the_draft_length_tha
     assert best >= 2
     controller.cost.forward.observe(1 + best, 3 * (22 + 0.7 * best) / 1e3)
     assert controller.choose([Candidate(tracker, 8)]) == [best]
+
+
+def test_a_count_measured_once_is_priced_mostly_by_the_line_through_every_count() -> None:
+    """The CPU stack's case (a debug log of the controller's inputs): 2 positions measured 10 times at 24 ms, and
+    once each 1 at 29 ms, 3 at 31, 5 at 34 (slow first forwards), 31 at 58 and 105 at 141. Priced at those single
+    samples, one drafted token looked better than 2-4 at an acceptance of 0.55, and the request drafted 1 token a
+    round for 14 rounds (``auto`` 0.86x of sequential speculation on that prompt). A count
+    measured fewer than ``FULL_SAMPLES`` times fills its missing samples from the line fitted through every count
+    (weighted by measurements), so one noisy sample counts a quarter; a count measured that often keeps its own
+    mean."""
+    controller = SpeculationController(8)
+    for _ in range(10):
+        controller.cost.forward.observe(2, 0.0238)
+    for positions, seconds in ((1, 0.029), (3, 0.0309), (5, 0.0337), (31, 0.0576), (105, 0.1414)):
+        controller.cost.forward.observe(positions, seconds)
+    for _ in range(10):
+        controller.cost.draft_level.observe(1, 0.00085)
+    controller.cost.overhead_s.add(0.002)
+    controller.cost.draft_call_s.add(0.0026)
+    curve = controller.cost.forward
+    assert 0.0238 < curve.seconds(5) < 0.030
+    assert curve.seconds(2) == pytest.approx(0.0238)
+    assert controller.choose([Candidate(fixed_tracker(0.55), 4)]) >= [3]
+    for _ in range(FULL_SAMPLES - 1):
+        curve.observe(5, 0.0337)
+    assert curve.seconds(5) == pytest.approx(0.0337)  # measured that often: its own
 
 
 def test_memory_bound_verifier_worked_example() -> None:
@@ -186,14 +220,14 @@ def test_learns_acceptance_and_cost_from_simulated_rounds(rate: float, best: int
 
 def test_a_bad_start_does_not_stop_speculation_for_good() -> None:
     """The router's case on this CPU: forward 57 ms + 5 ms per extra position, 7 ms per draft level, 4 ms per round
-    besides. A first request that accepts nothing drags the population prior down, so the next request's estimate
-    starts so low that no draft is predicted to pay; probing (one level at once, as a new request, then after
+    besides. A first request that accepts nothing in 80 rounds drags the population prior down, so the next request's
+    estimate starts so low that no draft is predicted to pay; probing (one level at once, as a new request, then after
     ``probe_every`` idle rounds) finds that this request accepts at 0.85, and the controller settles near the best γ
     (5: E(γ)/T(γ) is 16.4, 34.0, 34.3, 34.1 tokens/s at γ = 0, 4, 5, 6), as it would from a fair start."""
     rng = random.Random(7)
     controller = controller_with(lambda n: 57 + 5 * (n - 1), draft_level_ms=7.0, overhead_ms=4.0)
     first = controller.tracker()
-    for _ in range(10):
+    for _ in range(80):
         [length] = controller.choose([Candidate(first, 8)])
         controller.observe_verdict(first, length, 0)
     tracker = controller.tracker()
@@ -208,26 +242,52 @@ def test_a_bad_start_does_not_stop_speculation_for_good() -> None:
     assert sum(abs(length - 5) <= 1 for length in chosen[-100:]) >= 80
 
 
-def test_a_new_request_probes_at_once_where_the_last_requests_say_drafting_does_not_pay() -> None:
+def test_a_greeting_whose_drafts_were_rejected_does_not_keep_the_next_request_from_drafting() -> None:
     """``make demo``'s case on this CPU (costs as the router measured them: forward 20 ms + 2.5 ms per extra
     position, 1.3 ms per draft level, 2.3 ms per round besides and 2.8 ms per drafter call): its warm-up, a greeting
-    of 4 tokens, had both its drafts rejected, which left the population at 0.25 by position. The next request,
-    whose drafts the head gets right, used to draft nothing until its first probe 16 rounds in; now it probes at once
-    and drafts deep within a few rounds."""
+    of 4 tokens, had both its drafts rejected. With a population prior of 2 observations that left the population at
+    0.25 by position, where no draft is predicted to pay, and the next request, whose drafts the head gets right,
+    drafted nothing until its first probe 16 rounds in. Now the population's prior weighs 8 observations, so it stays
+    at 0.4, where a draft pays; and a new request would probe at once anyway. It drafts deep within a few rounds."""
     controller = controller_with(lambda n: 20 + 2.5 * (n - 1), draft_level_ms=1.3, overhead_ms=2.3, max_length=4)
     controller.cost.draft_call_s.add(2.8e-3)
     greeting = controller.tracker()
     for _ in range(2):
         controller.observe_verdict(greeting, 2, 0)
     tracker = controller.tracker()
-    assert tracker.rates()[0] == pytest.approx(0.25, abs=0.01)
-    assert controller.choose([Candidate(fixed_tracker(0.25, 4), 4)]) == [0]  # no draft is predicted to pay
+    assert tracker.rates()[0] == pytest.approx(0.4, abs=0.01)
+    assert controller.choose([Candidate(fixed_tracker(0.25, 4), 4)]) == [0]  # where no draft is predicted to pay
+    assert controller.choose([Candidate(fixed_tracker(0.4, 4), 4)]) == [1]
     lengths = []
     for _ in range(6):
         [length] = controller.choose([Candidate(tracker, 4)])
         controller.observe_verdict(tracker, length, length)  # this request's drafts are accepted whole
         lengths.append(length)
     assert lengths[0] == 1 and lengths[-1] == 4, lengths
+
+
+def test_one_rejected_first_draft_does_not_stop_a_request_drafting_where_the_population_says_it_pays() -> None:
+    """The CPU stack's case (a debug log of the controller's inputs): forward 22.5 ms + ~0.6 ms per position, a
+    draft level 1.4 ms, 2.7 ms per drafter call, 2.1 ms per round besides; the population at 0.4. A new request's
+    first draft (2 tokens) was rejected; weighing its prior as 2 observations took its estimate to 0.27, where no
+    draft is predicted to pay, and it drafted nothing for the next 7-38 rounds. As 4 observations: 0.32, and it
+    drafts on."""
+    controller = SpeculationController(4)
+    for positions, ms in ((1, 22.5), (2, 23.6), (3, 24.3), (4, 25.4), (5, 25.8), (31, 51.3), (105, 132.5)):
+        for _ in range(FULL_SAMPLES):
+            controller.cost.forward.observe(positions, ms / 1e3)
+    controller.cost.draft_level.observe(1, 1.4e-3)
+    controller.cost.overhead_s.add(2.1e-3)
+    controller.cost.draft_call_s.add(2.7e-3)
+    controller.population = AcceptanceTracker([0.4] * 4, prior_weight=8.0)  # where the population stands
+    tracker = controller.tracker()
+    tracker.idle_rounds = 0  # not due a probe: this is its second round
+    controller.observe_verdict(tracker, 2, 0)
+    assert tracker.rates()[0] == pytest.approx(0.32)
+    assert controller.choose([Candidate(tracker, 4)]) >= [1]
+    weak = AcceptanceTracker([0.4] * 4, prior_weight=2.0)  # the old weight
+    weak.observe(2, 0)
+    assert controller.choose([Candidate(weak, 4)]) == [0]
 
 
 def test_an_idle_request_probes_one_level_and_waits_twice_as_long_after_each_probe_that_fails() -> None:
