@@ -106,6 +106,7 @@ class Drafted:
     ``assumed_path`` is what a pre-draft after it assumes accepted (empty: it cannot be pipelined), ``rejections``
     the emitted tokens of the rejection verdicts that pre-draft also prepares for; ``outcomes`` (a pre-draft's
     answer) the proposals prepared for the previous proposal's ``rejections``, in their order (:mod:`router.predraft`).
+    ``model_free``: drafted without running a model (prompt lookup), so ``draft_ns`` is no draft level's cost.
     """
 
     tree: TokenTree
@@ -115,6 +116,7 @@ class Drafted:
     assumed_path: tuple[int, ...] = ()
     rejections: tuple[tuple[int, ...], ...] = ()
     outcomes: tuple[Drafted, ...] = ()
+    model_free: bool = False
 
 
 @dataclass(frozen=True)
@@ -364,6 +366,7 @@ class Session:
         self._tracker = self._controller.tracker() if self._controller is not None else None
         self._last_forward: tuple[int, int] = (0, 1)  # (positions, sequences) of the last verdict's forward
         self._last_size = 0  # nodes this request put into it
+        self._after_model_free = False  # the last draft was model-free (prompt lookup): the next catches up
         self._planned_budget: int | None = None  # auto: the next round's draft budget, chosen a round early
 
     @property
@@ -771,15 +774,20 @@ class Session:
             size, verified, wall_ns, exposed_ns, hit if pipelined else None, rejection_hit, drafter_wait_ns
         )
         if self._controller is not None:
-            self._teach(record, drafted.tree.max_depth() if size and drafted is not None else 0)
+            depth = drafted.tree.max_depth() if size and drafted is not None else 0
+            self._teach(record, depth, model_free=drafted is not None and drafted.model_free)
         if self.observer is not None:
             self.observer.on_round(record)
 
-    def _teach(self, record: RoundRecord, depth: int) -> None:
-        """Tell the controller what this round accepted and cost (a forward the verifier did not size is skipped)."""
+    def _teach(self, record: RoundRecord, depth: int, *, model_free: bool = False) -> None:
+        """Tell the controller what this round accepted and cost (a forward the verifier did not size is skipped; a
+        ``model_free`` proposal ran no draft level)."""
         assert self._controller is not None and self._tracker is not None
         verified = record.verified
         caught_up = self._tracker.idle_rounds == 0  # the last round drafted too (read before the verdict resets it)
+        after_model_free = self._after_model_free  # then this draft caught up on what that one committed
+        if depth:
+            self._after_model_free = model_free
         self._controller.observe_verdict(self._tracker, depth, len(verified.accepted_path))
         if verified.forward_positions > 0:
             if self.stats.rounds > 1:  # the first verdict's forward holds this request's own prompt
@@ -793,9 +801,11 @@ class Session:
             other_s = record.wall_ns / 1e9 - forward_s - waited_s - verified.queued_ns / 1e9
             # A pre-draft's levels cost this round nothing. A draft after plain rounds is not a level's cost either: it
             # includes the drafter catching up on every token committed meanwhile (an EAGLE head runs over them), and
-            # priced as levels that kept auto from drafting at all (adaptive.py's module docstring).
-            drafted_levels = depth if record.exposed_draft_ns and caught_up else 0
-            call_s = waited_s - draft_s if drafted_levels else None
+            # priced as levels that kept auto from drafting at all (adaptive.py's module docstring). Nor is a model-free
+            # (prompt lookup) round, which ran none, or the draft after one, which caught up on what it committed.
+            drafted = bool(record.exposed_draft_ns) and caught_up
+            drafted_levels = depth if drafted and not (model_free or after_model_free) else 0
+            call_s = waited_s - draft_s if drafted and depth else None
             rows = rows_per_level(record.draft_size, depth)
             self._controller.observe_round(
                 verified.forward_positions, forward_s, drafted_levels, draft_s, other_s, rows, call_s

@@ -187,7 +187,9 @@ class GrpcDrafter(WorkerClient):
         # a drafter that names no assumed path assumes a chain in full (and cannot pipeline a tree)
         assumed = tuple(reply.assumed_path) or (tuple(range(len(tree))) if tree.is_chain else ())
         rejections = tuple(tuple(guess.emitted) for guess in reply.rejections)
-        return Drafted(tree, reply.proposal, reply.draft_ns, wire_bytes, assumed, rejections, outcomes)
+        return Drafted(
+            tree, reply.proposal, reply.draft_ns, wire_bytes, assumed, rejections, outcomes, reply.model_free
+        )
 
     async def commit(
         self,

@@ -53,7 +53,9 @@ probes were what kept ``auto`` below speculation off under load here (``bench/re
 A draft level's cost is learnt only from rounds whose request drafted the round before too. A draft after plain
 rounds also catches the drafter up on every token committed meanwhile (an EAGLE head runs over them), so on the CPU
 stack a one-level probe reported 3.6-4 ms where a level costs 0.8: priced as levels, those probes (the only drafts
-``auto`` made) kept it from drafting at all while sequential speculation ran 1.0-1.4x faster than off.
+``auto`` made) kept it from drafting at all while sequential speculation ran 1.0-1.4x faster than off. Nor is a
+level's cost learnt from a model-free proposal (an eagle drafter's prompt-lookup round: 0.02 ms for "4 levels"), or
+from the draft after one, which catches up on what it committed.
 
 The choice is a control decision only: whatever proposal goes out, the verifier's acceptance rule keeps the output
 distribution exactly the target's, so no choice here can change what is sampled.

@@ -131,11 +131,13 @@ def test_open_propose_commit_close_round_trip(kind: str, serve) -> None:
         emitted = [proposal.tree.tokens[0], 1]  # first node accepted, then a correction (seen before: n-grams match)
         commit(stub, "seq-1", len(text), emitted)
         text += emitted
+    reply = stub.Propose(drafter_pb2.ProposeRequest(sequence_id="seq-1", max_tokens=8), timeout=TIMEOUT_S)
+    assert reply.model_free == (kind == "ngram")  # a lookup ran no model: its time is no draft level's cost
     stub.CloseSequence(drafter_pb2.CloseDraftRequest(sequence_id="seq-1"), timeout=TIMEOUT_S)
     stub.CloseSequence(drafter_pb2.CloseDraftRequest(sequence_id="seq-1"), timeout=TIMEOUT_S)  # idempotent
     final = status(stub)
     assert (final.kind, final.open_sequences, final.runner_sequences) == (kind, 0, 0)
-    assert final.proposals == 4
+    assert final.proposals == 5
 
 
 @pytest.mark.parametrize("shape", [None, TREE_SHAPE], ids=["chain", "tree"])

@@ -39,6 +39,7 @@ from specdec.runner import ForwardItem, KVRunner
 from specdec.sampling import SamplingParams, make_generator
 from specdec.tree import TokenTree
 from specdec.verification import BatchVerifier, VerifyCall
+from tests.controllers import CyclingController
 from tests.tiny_models import tiny_llama
 
 VOCAB = 16
@@ -463,6 +464,37 @@ def test_colocated_prompt_lookup_keeps_the_target_law(target: LoadedModel) -> No
     )
     assert eagle.propose([eagle.open(REPEATING, SAMPLED, make_generator(0))], [3])[0].tree.tokens == (4, 9, 1)
     assert_target_law(target, eagle, REPEATING, slice(0, 3))
+
+
+def test_a_prompt_lookup_round_teaches_auto_no_draft_level_cost(target: LoadedModel) -> None:
+    """A lookup chain runs no head forward, so its drafting time (microseconds) is no draft level's cost: priced as
+    levels, it taught the controller that levels are nearly free (0.02 ms where the head's cost 0.8 on the CPU
+    stack). Nor is the head draft right after one, which runs the head over every token the lookup rounds committed.
+    On a prompt that repeats itself every round drafts; the controller learns a level's cost only from head drafts
+    that follow head drafts."""
+    observed: list[int] = []
+
+    class Recording(CyclingController):
+        def observe_round(self, positions, forward_s, draft_levels, draft_s, other_s, rows=1, call_s=None) -> None:
+            observed.append(draft_levels)
+            super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
+
+    drafter = EagleDrafter(random_head(target), DraftConfig(num_draft_tokens=3), lookup_min_match=3)
+    proposals: list[Proposal] = []
+    propose = drafter.propose
+
+    def recorded(handles: list[int], max_tokens: list[int], stop=None) -> list[Proposal]:
+        proposals.extend(answer := propose(handles, max_tokens, stop))
+        return answer
+
+    drafter.propose = recorded  # type: ignore[method-assign]
+    engine = Engine(KVRunner(target.model), frozenset(), drafter, Recording(lengths=(3,), pipelining=(False,)))
+    engine.generate([GenerationRequest(REPEATING * 3, GREEDY, max_tokens=24, ignore_eos=True)])
+    kinds = ["lookup" if p.model_free else "head" if len(p.tree) else "none" for p in proposals]
+    assert "lookup" in kinds and "head" in kinds, kinds
+    for index, (kind, levels) in enumerate(zip(kinds, observed, strict=True)):
+        follows_head = index > 0 and kinds[index - 1] == "head"
+        assert (levels > 0) == (kind == "head" and follows_head), (index, kinds, observed)
 
 
 def assert_target_law(target: LoadedModel, drafter: EagleDrafter, prompt: list[int], window: slice) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -724,6 +725,50 @@ def test_auto_leaves_the_wait_at_the_verifier_out_of_a_rounds_fixed_cost() -> No
     asyncio.run(Session(make_plan("auto", max_tokens=8), placement, emit, sequence_id="s", controller=controller).run())
     assert fixed and all(seconds < 0.025 for seconds in fixed), fixed
     assert controller.cost.overhead_s.value < 0.025
+    assert_clean(placement)
+
+
+def test_auto_learns_no_draft_level_cost_from_a_model_free_proposal_or_the_draft_after_one() -> None:
+    """A drafter's prompt-lookup proposal (``model_free``) ran no model: its microseconds priced as levels taught
+    ``auto`` that levels are nearly free. The head draft after one ran over every token the lookup committed. Neither
+    teaches a level's cost; both still teach the drafter call's."""
+    rounds: list[tuple[int, float | None]] = []
+
+    class Recording(CyclingController):
+        def observe_round(self, positions, forward_s, draft_levels, draft_s, other_s, rows=1, call_s=None) -> None:
+            rounds.append((draft_levels, call_s))
+            super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
+
+    class SizedVerifier(FakeVerifier):
+        async def verify(self, sequence_id: str, drafted: Drafted | None, **options: bool) -> Verified:
+            verified = await super().verify(sequence_id, drafted, **options)
+            return replace(verified, forward_positions=1 + (len(drafted.tree) if drafted else 0))
+
+    model_free = [False, False, True, False, False, False, True, True, False, False]
+
+    class LookupDrafter(FakeDrafter):  # every proposal it answers is model-free or not by ``model_free`` in turn
+        answered = 0
+
+        async def propose(self, *args: Any, **kwargs: Any) -> Drafted:
+            drafted = await super().propose(*args, **kwargs)
+            self.answered += 1
+            return replace(drafted, model_free=model_free[(self.answered - 1) % len(model_free)])
+
+    placement = FakePlacement([SizedVerifier()], [LookupDrafter()])
+    controller = Recording(lengths=(2,), pipelining=(False,))
+
+    async def emit(chunk: Chunk) -> None:
+        pass
+
+    final = asyncio.run(
+        Session(make_plan("auto", max_tokens=30), placement, emit, sequence_id="s", controller=controller).run()
+    )
+    assert len(rounds) == final.stats.rounds >= len(model_free)
+    # round 0 drafts from the prompt (nothing before it drafted); then levels only where neither it nor the
+    # round before was model-free
+    for index, (levels, call_s) in enumerate(rounds[1 : len(model_free)], start=1):
+        expected = 0 if model_free[index] or model_free[index - 1] else 2
+        assert levels == expected and call_s is not None, (index, rounds)
     assert_clean(placement)
 
 

@@ -132,7 +132,8 @@ class Proposal:
     proposal is deterministic (model-free lookup, or greedy drafting) and ``q`` is one-hot per node.
     ``scheme`` says how siblings were drawn, which decides the tree acceptance rule. ``assumed_path`` is what
     a pre-draft after it assumes accepted, ``rejections`` the rejection verdicts it also prepares for, most likely
-    first (see :class:`Outstanding`).
+    first (see :class:`Outstanding`). ``model_free``: drafted without running a model (prompt lookup), so the time
+    it took is no draft level's cost (the adaptive controller learns level costs from the others).
     """
 
     tree: TokenTree
@@ -140,6 +141,7 @@ class Proposal:
     scheme: TreeSampling = "iid"
     assumed_path: tuple[int, ...] = ()
     rejections: tuple[Rejection, ...] = ()
+    model_free: bool = False
 
 
 class Drafter(Protocol):

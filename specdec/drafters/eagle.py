@@ -301,7 +301,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
                 state.outstanding = _Drafted(
                     tree, path, base_length=len(state.text), root_prediction=None, node_predictions=(None,) * len(tree)
                 )
-                proposals.append(Proposal(tree, None, "iid", path))
+                proposals.append(Proposal(tree, None, "iid", path, model_free=True))
                 continue
             if plan is None:
                 state.outstanding = _Drafted(

@@ -63,7 +63,7 @@ class NgramDrafter(SequenceDrafter[SequenceState]):
             draft = lookup_continuation(state.text, self.max_ngram, self.min_ngram, limit) if limit > 0 else []
             tree = TokenTree.chain(draft)
             state.outstanding = Outstanding(tree, tuple(range(len(tree))))
-            proposals.append(Proposal(tree, None, "iid", tuple(range(len(tree)))))
+            proposals.append(Proposal(tree, None, "iid", tuple(range(len(tree))), model_free=True))
         return proposals
 
     def _start(
