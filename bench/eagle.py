@@ -435,8 +435,11 @@ def lookup_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Set
     rows = []
     for (sampling, name), by_category in tallies.items():
         baseline = tallies[sampling, "target-only"]
-        speed = {key: _per_s(tally) / _per_s(baseline[key]) for key, tally in by_category.items()}
-        summary = {key: tally.summary(SHAPES[BUDGET_SHAPE].num_draft_tokens) for key, tally in by_category.items()}
+        depth = SHAPES[BUDGET_SHAPE].num_draft_tokens
+        summary = {key: tally.summary(depth) for key, tally in by_category.items()}
+        speed = {
+            key: row["tokens_per_s"] / baseline[key].summary(depth)["tokens_per_s"] for key, row in summary.items()
+        }
         rows.append(
             {
                 "sampling": sampling,
@@ -451,10 +454,6 @@ def lookup_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Set
             }
         )
     return rows
-
-
-def _per_s(tally: Tally) -> float:
-    return tally.tokens / tally.seconds
 
 
 SectionRun = Callable[[LoadedModel, Sequence[Prompt], Settings], list[dict[str, Any]]]

@@ -366,7 +366,6 @@ class Session:
         self._tracker = self._controller.tracker() if self._controller is not None else None
         self._last_forward: tuple[int, int] = (0, 1)  # (positions, sequences) of the last verdict's forward
         self._last_size = 0  # nodes this request put into it
-        self._after_model_free = False  # the last draft was model-free (prompt lookup): the next catches up
         self._planned_budget: int | None = None  # auto: the next round's draft budget, chosen a round early
 
     @property
@@ -784,11 +783,9 @@ class Session:
         ``model_free`` proposal ran no draft level)."""
         assert self._controller is not None and self._tracker is not None
         verified = record.verified
-        caught_up = self._tracker.idle_rounds == 0  # the last round drafted too (read before the verdict resets it)
-        after_model_free = self._after_model_free  # then this draft caught up on what that one committed
-        if depth:
-            self._after_model_free = model_free
-        self._controller.observe_verdict(self._tracker, depth, len(verified.accepted_path))
+        # read before the verdict resets them: the last round drafted too, and with a model
+        drafted_before, caught_up = self._tracker.idle_rounds == 0, self._tracker.caught_up
+        self._controller.observe_verdict(self._tracker, depth, len(verified.accepted_path), model_free=model_free)
         if verified.forward_positions > 0:
             if self.stats.rounds > 1:  # the first verdict's forward holds this request's own prompt
                 self._last_forward = (verified.forward_positions, verified.batch_size)
@@ -803,8 +800,8 @@ class Session:
             # includes the drafter catching up on every token committed meanwhile (an EAGLE head runs over them), and
             # priced as levels that kept auto from drafting at all (adaptive.py's module docstring). Nor is a model-free
             # (prompt lookup) round, which ran none, or the draft after one, which caught up on what it committed.
-            drafted = bool(record.exposed_draft_ns) and caught_up
-            drafted_levels = depth if drafted and not (model_free or after_model_free) else 0
+            drafted = bool(record.exposed_draft_ns) and drafted_before
+            drafted_levels = depth if drafted and caught_up and not model_free else 0
             call_s = waited_s - draft_s if drafted and depth else None
             rows = rows_per_level(record.draft_size, depth)
             self._controller.observe_round(

@@ -227,10 +227,17 @@ class AcceptanceTracker:
         self._accepted = [0.0] * len(self.prior)
         self.idle_rounds = 0  # rounds since the request last drafted
         self.failed_probes = 0  # probes in a row that accepted nothing
+        self.last_draft_model_free = False  # the last draft ran no model (prompt lookup)
 
     @property
     def max_length(self) -> int:
         return len(self.prior)
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether a draft now costs only its own levels: the request's last round drafted, with a model. A draft
+        after plain or model-free rounds also runs the drafter over the tokens they committed (module docstring)."""
+        return self.idle_rounds == 0 and not self.last_draft_model_free
 
     def observe(self, proposed: int, accepted: int) -> None:
         """A round that proposed a chain (or tree) ``proposed`` deep and accepted ``accepted`` positions."""
@@ -315,8 +322,11 @@ class SpeculationController:
         tracker.idle_rounds = self.probe_every
         return tracker
 
-    def observe_verdict(self, tracker: AcceptanceTracker, proposed: int, accepted: int) -> None:
-        """A request's round: ``proposed`` draft levels (0: none), ``accepted`` of them accepted."""
+    def observe_verdict(
+        self, tracker: AcceptanceTracker, proposed: int, accepted: int, *, model_free: bool = False
+    ) -> None:
+        """A request's round: ``proposed`` draft levels (0: none), ``accepted`` of them accepted; ``model_free``: the
+        draft ran no model (prompt lookup)."""
         self.tokens_per_round.add(accepted + 1)
         if proposed == 0:
             tracker.fade()
@@ -324,6 +334,7 @@ class SpeculationController:
             return
         probed = tracker.idle_rounds >= self.probe_wait(tracker)  # a draft after that long idle is a probe
         tracker.idle_rounds = 0
+        tracker.last_draft_model_free = model_free
         tracker.failed_probes = 0 if accepted else tracker.failed_probes + probed
         tracker.observe(proposed, accepted)
         self.population.observe(proposed, accepted)

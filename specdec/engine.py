@@ -53,7 +53,6 @@ class _Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     released: bool = False
     tracker: AcceptanceTracker | None = None  # its acceptance by position, when the draft length adapts
-    after_model_free: bool = False  # its last draft was model-free (prompt lookup): the next catches up
 
     @property
     def remaining(self) -> int:
@@ -193,23 +192,18 @@ class Engine:
     ) -> None:
         """Tell the controller what each sequence accepted and what the round cost."""
         depths = [proposal.tree.max_depth() for proposal in proposals]
+        # the drafts that ran draft levels (a model-free one, prompt lookup, ran none)
+        modelled = [(s, p, d) for s, p, d in zip(active, proposals, depths, strict=True) if d and not p.model_free]
         # a draft after plain or model-free rounds caught up on the tokens committed meanwhile: not what its levels cost
-        caught_up = all(
-            s.tracker.idle_rounds == 0 and not s.after_model_free
-            for s, p, depth in zip(active, proposals, depths, strict=True)
-            if depth and not p.model_free
-        )
-        for sequence, proposal, depth in zip(active, proposals, depths, strict=True):
-            if depth:
-                sequence.after_model_free = proposal.model_free
-        for sequence, depth, outcome in zip(active, depths, outcomes, strict=True):
-            self.controller.observe_verdict(sequence.tracker, depth, outcome.verdict.num_accepted)
+        caught_up = all(s.tracker.caught_up for s, _, _ in modelled)
+        for sequence, proposal, depth, outcome in zip(active, proposals, depths, outcomes, strict=True):
+            self.controller.observe_verdict(
+                sequence.tracker, depth, outcome.verdict.num_accepted, model_free=proposal.model_free
+            )
         forward = outcomes[0]
         other_s = round_s - draft_s - forward.verify_s
-        # a model-free proposal (prompt lookup) ran no draft level
-        modelled = [(p, depth) for p, depth in zip(proposals, depths, strict=True) if not p.model_free]
-        rows = sum(rows_per_level(len(p.tree), depth) for p, depth in modelled)
-        levels = max((depth for _, depth in modelled), default=0) if caught_up else 0
+        rows = sum(rows_per_level(len(p.tree), depth) for _, p, depth in modelled)
+        levels = max((depth for _, _, depth in modelled), default=0) if caught_up else 0
         self.controller.observe_round(forward.forward_positions, forward.verify_s, levels, draft_s, other_s, rows)
 
     def _record(
