@@ -46,7 +46,7 @@ import torch
 
 from grpc_common.memory import IdleTrim, glibc_malloc_trim
 from specdec.drafters.base import Proposal
-from specdec.drafters.ngram import lookup_continuation
+from specdec.lookup import lookup_continuation
 from specdec.model_files import load_tokenizer
 from specdec.models import load_model
 from specdec.sampling import SamplingParams

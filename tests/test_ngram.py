@@ -5,7 +5,7 @@ import random
 import torch
 
 from specdec.drafters import DraftConfig, NgramDrafter
-from specdec.drafters.ngram import lookup_continuation
+from specdec.lookup import lookup_continuation
 from specdec.sampling import SamplingParams
 
 

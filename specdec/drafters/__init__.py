@@ -13,11 +13,12 @@ import torch
 from specdec.cache import default_head_dir
 from specdec.drafter_kinds import DRAFTER_KINDS, SHAPE_ONLY_KINDS, DrafterKind
 from specdec.drafters.base import DraftConfig, Drafter, Proposal, SequenceDrafter
-from specdec.drafters.eagle import DEFAULT_LOOKUP_MIN_MATCH, EagleDrafter
+from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_head import HEAD_CONTEXT
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import InvalidArgumentError, ModelNotFoundError
+from specdec.lookup import DEFAULT_LOOKUP_MIN_MATCH
 from specdec.models import LoadedModel, ModelShape, check_same_vocabulary, load_model, usable_device
 from specdec.precision import check_draft_quantization
 from specdec.runner import KVRunner

@@ -62,17 +62,12 @@ from specdec.drafters.model import (
     grow_level,
     mark_stopped,
 )
-from specdec.drafters.ngram import lookup_continuation
 from specdec.errors import InvalidArgumentError
 from specdec.linear import can_quantize, packed_for_inference
+from specdec.lookup import DEFAULT_LOOKUP_MIN_MATCH, prompt_lookup
 from specdec.precision import check_draft_quantization
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
-
-LOOKUP_MAX_MATCH = 8  # the longest tail prompt lookup matches: a longer match names its context more surely
-# 5: a chance match of 3 or 4 tokens in chat, lists or QA proposed chains the head would have beaten (measured per
-# prompt, bench/results/eagle-lookup.md), while copying (rewrite, summarise) matches longer anyway
-DEFAULT_LOOKUP_MIN_MATCH = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,12 +326,8 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     def _lookup(self, state: _Sequence, budget: int) -> list[int]:
         """This round's chain by prompt lookup: what followed the most recent earlier occurrence of the text's tail,
         when that tail is at least ``lookup_min_match`` tokens long (else none: the head drafts)."""
-        if not self.lookup_min_match:
-            return []
         limit = min(budget, state.config.max_nodes, self.max_seq_len - len(state.text))
-        if limit <= 0:
-            return []
-        return lookup_continuation(state.text, LOOKUP_MAX_MATCH, self.lookup_min_match, limit)
+        return prompt_lookup(state.text, self.lookup_min_match, limit)
 
     def _plan(self, state: _Sequence, budget: int) -> _Round | None:
         """This round's pending rows and depth, or None when the sequence cannot draft (no features yet)."""

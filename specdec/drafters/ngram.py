@@ -9,37 +9,9 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.base import DraftConfig, Outstanding, Proposal, SequenceDrafter, SequenceState, StopCheck
+from specdec.lookup import lookup_continuation
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
-
-
-def lookup_continuation(tokens: list[int], max_ngram: int, min_ngram: int, max_tokens: int) -> list[int]:
-    """Tokens that followed the most recent earlier occurrence of the longest matching tail (at most ``max_ngram``
-    tokens, at least ``min_ngram``).
-
-    ``lookup_continuation([1, 2, 3, 9, 1, 2], 3, 1, 2) == [3, 9]``: the tail ``1 2`` occurred at
-    position 0 and was followed by ``3 9``. One pass over the text finds the places the last token occurred, and
-    only those are extended backwards: a long text costs one comparison per token, not one per token and tail size.
-    """
-    size = len(tokens)
-    if min_ngram < 1 or size < min_ngram + 1:
-        return []
-    last = tokens[-1]
-    best_length, best_end = 0, -1
-    for end in range(size - 1, min_ngram - 1, -1):  # a match ends at ``end`` (exclusive), most recent first
-        if tokens[end - 1] != last:
-            continue
-        length = 1
-        limit = min(max_ngram, end)
-        while length < limit and tokens[end - 1 - length] == tokens[size - 1 - length]:
-            length += 1
-        if length > best_length:
-            best_length, best_end = length, end
-            if length == max_ngram:
-                break
-    if best_length < min_ngram:
-        return []
-    return tokens[best_end : best_end + max_tokens]
 
 
 class NgramDrafter(SequenceDrafter[SequenceState]):
