@@ -1,4 +1,4 @@
-"""Co-located sequential speculation vs disaggregated (sequential / pipelined) serving, in one run.
+"""Co-located sequential speculation vs disaggregated (sequential / pipelined / auto) serving, in one run.
 
 Greedy, float32, the chat-templated prompts of ``bench/prompts/colocated.jsonl``, EOS honoured:
 
@@ -6,7 +6,7 @@ Greedy, float32, the chat-templated prompts of ``bench/prompts/colocated.jsonl``
   (``--drafter-kind``: ngram, or eagle with its head; sequential rounds: draft, then verify);
 * **disaggregated**: ``python -m verifier_service``, ``python -m drafter_service --kind KIND`` and
   ``python -m router`` started as subprocesses on 127.0.0.1 (no Ray), requests through the SDK with
-  ``speculation`` = off / sequential / pipelined.
+  ``speculation`` = off / sequential / pipelined / auto.
 
 Two load levels: one stream (requests one after another, configurations interleaved prompt by prompt
 so drifting machine load hits all alike) and N concurrent streams (one :class:`~specdec.client.Client`
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-MODES = ("off", "sequential", "pipelined")
+MODES = ("off", "sequential", "pipelined", "auto")
 REFERENCE = ("co-located", "off", 1)  # the outputs every configuration is compared with
 
 DEFINITIONS = """\
@@ -95,7 +95,7 @@ class Run:
     """One configuration at one load level: its requests and the batch's wall time."""
 
     side: str  # "co-located" or "disaggregated"
-    mode: str  # "off", "sequential" or "pipelined"
+    mode: str  # "off", "sequential", "pipelined" or "auto"
     streams: int
     records: list[RequestRecord] = field(default_factory=list)
     wall_s: float = 0.0
@@ -146,8 +146,8 @@ class Summary:
 
 def exposed_draft_fraction(mode: str, rounds: int, hits: int, misses: int) -> float:
     """Share of the measured draft time that the verifier waited for (see DEFINITIONS)."""
-    if mode != "pipelined":
-        return 1.0
+    if mode not in ("pipelined", "auto") or (mode == "auto" and hits + misses == 0):
+        return 1.0  # `auto` pipelines only the rounds it predicts that pays in: counted as pipelined when it did
     proposals = rounds + misses  # a fresh one for each round not fed by a hit, a pre-draft per hit or miss
     return (rounds - hits) / proposals if proposals else 0.0
 

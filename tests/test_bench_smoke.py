@@ -52,6 +52,8 @@ def test_exposed_draft_is_all_of_it_unless_pipelined() -> None:
     # 10 rounds, 4 fed by a pre-drafted chain: 6 fresh proposals out of 6 + (4 + 3) pre-drafts = 13 in all.
     assert exposed_draft_fraction("pipelined", 10, 4, 3) == pytest.approx(6 / 13)
     assert exposed_draft_fraction("pipelined", 0, 0, 0) == 0.0
+    assert exposed_draft_fraction("auto", 10, 0, 0) == 1.0  # no round pipelined
+    assert exposed_draft_fraction("auto", 10, 4, 3) == pytest.approx(6 / 13)
 
 
 def test_summary_of_a_sequential_run() -> None:
