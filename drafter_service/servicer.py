@@ -79,6 +79,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.feature_width = scheduler.drafter.feature_width
         self.feature_layers = scheduler.drafter.feature_layers
         self.feature_context = scheduler.drafter.feature_context
+        self.lookup_min_match = scheduler.drafter.lookup_min_match
         self.max_proposal_nodes = max_proposal_nodes
         self.max_batch_calls = max_batch_calls
         self.max_seq_len = max_seq_len
@@ -184,6 +185,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 feature_layers=self.feature_layers,
                 batch_stream=True,
                 feature_context=self.feature_context,
+                lookup_min_match=self.lookup_min_match,
             )
 
         return Submitted(self.scheduler.status(), reply).answer(context)

@@ -65,6 +65,7 @@ class Worker:
     feature_width: int = 0  # drafters: width of the target feature rows it drafts from (0: none), once known
     feature_layers: tuple[int, ...] = ()  # drafters: the target layers of those rows (empty: the final norm's)
     feature_context: int = 0  # drafters: they read the rows of only that many latest positions (0: all)
+    lookup_min_match: int = 0  # drafters: a text tail this long seen before makes a round a prompt-lookup chain
     timeouts: int = 0  # consecutive calls and health checks that timed out
     batch_stream: bool = False  # its Status says it answers BatchStream (learnt by the first health check)
 

@@ -74,6 +74,7 @@ from router.predraft import PreDraft, select, selected
 from router.requests import DraftShape, Plan
 from router.text import TextStream
 from specdec.adaptive import Candidate, SpeculationController, rows_per_level
+from specdec.lookup import prompt_lookup
 from specdec.sampling_params import SamplingParams, TopLogprobs
 from specdec.stats import AcceptanceCounts
 from specdec.tree import TokenTree
@@ -193,6 +194,7 @@ class DrafterClient(Protocol):
     feature_layers: tuple[int, ...]  # the target layers of those rows (empty: the final norm's output)
     feature_context: int  # it reads the rows of only that many latest positions (0: all)
     kind: str | None  # ngram, model, early-exit or eagle (None: not known)
+    lookup_min_match: int  # > 0: some rounds are prompt-lookup chains (specdec.lookup), from tails this long
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None: ...
 
@@ -635,28 +637,40 @@ class Session:
             return None  # the round tells the drafter the last verdict while the verifier works
         return await self._propose(budget)
 
-    def _predraft_budget(self, size: int) -> int:
-        """Nodes to pre-draft while a proposal of ``size`` nodes is verified: whatever the request has room for
-        after it, or under ``auto`` the controller's choice for the next round (0: none, nor a deferred bonus)."""
-        budget = self.remaining - size - 1
+    def _predraft_budget(self, drafted: Drafted) -> int:
+        """Nodes to pre-draft while ``drafted`` is verified: whatever the request has room for after it, or under
+        ``auto`` the controller's choice for the next round (0: none, nor a deferred bonus)."""
+        budget = self.remaining - len(drafted.tree) - 1
         if budget >= 1 and self._controller is not None:
-            budget = self._auto_budget(budget)
+            budget = self._auto_budget(budget, [drafted.tree.tokens[node] for node in drafted.assumed_path])
             if budget < 1:
                 self._planned_budget = 0  # kept for the next round, which then verifies the bonus alone
         return budget
 
-    def _auto_budget(self, budget: int) -> int:
+    def _auto_budget(self, budget: int, assumed: Sequence[int] = ()) -> int:
         """The controller's node budget this round: a chain of its chosen length, or the whole tree or nothing; the
-        rest of the last forward (other sequences) is the load this one shares."""
+        rest of the last forward (other sequences) is the load this one shares. A round the drafter will propose a
+        prompt-lookup chain in (on its text: the committed text, and for a pre-draft the ``assumed`` path too) is
+        planned as one, with the request's own estimate of such chains and no draft level to pay."""
         assert self._controller is not None and self._tracker is not None
         shape = self.plan.shape
         nodes = min(budget, shape.tree_budget or shape.tree_width * shape.num_draft_tokens)
-        if shape.is_chain:
-            candidate = Candidate(self._tracker, min(budget, shape.num_draft_tokens))
-        else:
-            candidate = Candidate(self._tracker, shape.num_draft_tokens, nodes)
+        lookup = len(self._lookup_chain(nodes, assumed))
+        tree = not shape.is_chain
+        candidate = Candidate.for_round(self._tracker, shape.num_draft_tokens, nodes, tree=tree, lookup=lookup)
         [length] = self._controller.choose([candidate], **self._shared_load())
-        return length if shape.is_chain else (nodes if length else 0)
+        return candidate.node_budget(length)
+
+    def _lookup_chain(self, limit: int, assumed: Sequence[int]) -> list[int]:
+        """The prompt-lookup chain the drafter proposes this round, at most ``limit`` long (empty: its model
+        drafts): its choice depends on the text alone (:mod:`specdec.lookup`)."""
+        assert self._controller is not None and self._tracker is not None
+        drafter = self.drafter
+        if drafter is None or drafter.lookup_min_match <= 0:
+            return []
+        if self._tracker.lookup is None:
+            self._tracker.lookup = self._controller.lookup_tracker()
+        return prompt_lookup([*self.plan.prompt_ids, *self.generated, *assumed], drafter.lookup_min_match, limit)
 
     def _shared_load(self) -> dict[str, Any]:
         """What the other sequences of this request's verifier's last forward add to it: positions and the tokens
@@ -731,9 +745,10 @@ class Session:
         )
         if pipelined and self._controller is not None:
             assert drafted is not None and self._tracker is not None
-            depth = drafted.tree.max_depth()
-            pipelined = self._controller.pipelining_pays(self._tracker, depth, size, **self._shared_load())
-        predraft_budget = self._predraft_budget(size) if pipelined else 0
+            depth, lookup = drafted.tree.max_depth(), self._tracker.lookup
+            tracker = lookup if drafted.model_free and lookup is not None else self._tracker  # whose chain it is
+            pipelined = self._controller.pipelining_pays(tracker, depth, size, **self._shared_load())
+        predraft_budget = self._predraft_budget(drafted) if pipelined and drafted is not None else 0
         pipelined = predraft_budget >= 1  # room for a next proposal the controller wants; else draw the bonus now
         verifier, sequence_id = self.verifier, self.sequence_id
         assert verifier is not None, "the verifier is opened before any round"

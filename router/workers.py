@@ -125,6 +125,10 @@ class GrpcDrafter(WorkerClient):
     def kind(self) -> str | None:
         return self.worker.kind
 
+    @property
+    def lookup_min_match(self) -> int:
+        return self.worker.lookup_min_match
+
     async def learn_status(self, deadline_s: float) -> None:
         """Learn the drafter's kind, the feature rows it drafts from and whether it answers a batch stream."""
         stub = drafter_pb2_grpc.DrafterStub(self.worker.channel)
@@ -133,6 +137,7 @@ class GrpcDrafter(WorkerClient):
         worker.kind, worker.feature_width = status.kind or None, status.feature_width
         worker.feature_layers, worker.batch_stream = tuple(status.feature_layers), status.batch_stream
         worker.feature_context = status.feature_context
+        worker.lookup_min_match = status.lookup_min_match
         self.status_known = True
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:

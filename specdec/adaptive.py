@@ -57,6 +57,17 @@ stack a one-level probe reported 3.6-4 ms where a level costs 0.8: priced as lev
 level's cost learnt from a model-free proposal (an eagle drafter's prompt-lookup round: 0.02 ms for "4 levels"), or
 from the draft after one, which catches up on what it committed.
 
+A drafter that proposes prompt-lookup chains besides its model's drafts (an eagle drafter: a round whose text ends in
+a tail seen earlier in it copies what followed, :mod:`specdec.lookup`) reports its ``lookup_min_match``, and the
+router or engine that plans its rounds computes the same chain from the text, so a round that will be a lookup chain
+is planned as one (``Candidate.model_free``): with the request's own estimate of its lookup chains (its tracker's
+``lookup``, from the population's, which only lookup verdicts move) and no draft level to pay, only the drafter call.
+Planned as the model's draft, such rounds were chosen by the model's acceptance: with the demo's small head (held-out
+τ 1.44) ``auto`` drafted one or two tokens where a lookup chain of four would have been accepted, and ran 0.95-1.01x of
+sequential speculation; planned as lookups, 1.05-1.07x (``bench/results/auto-lookup-demo-head.md``; the full head:
+level). A lookup candidate that is declined fades its estimate (no verdict will) and, like an idle request, is probed
+after ``probe_every`` rounds.
+
 The choice is a control decision only: whatever proposal goes out, the verifier's acceptance rule keeps the output
 distribution exactly the target's, so no choice here can change what is sampled.
 """
@@ -199,15 +210,22 @@ class RoundCost:
     overhead_s: MovingAverage = field(default_factory=MovingAverage)
     draft_call_s: MovingAverage = field(default_factory=MovingAverage)
 
-    def seconds(self, positions: int, draft_levels: int, rows: int = 1) -> float:
+    def seconds(self, positions: int, draft_levels: int, rows: int = 1, *, calls_drafter: bool = False) -> float:
         """A round with ``positions`` in its forward whose longest draft has ``draft_levels`` levels of ``rows``
-        rows each (:func:`rows_per_level` summed over the sequences drafted together)."""
+        rows each (:func:`rows_per_level` summed over the sequences drafted together); ``calls_drafter``: it calls
+        the drafter even with no level to draft (a prompt-lookup chain)."""
         level_s = self.draft_level.seconds(rows) if draft_levels else 0.0
-        return self.fixed_s(draft_levels) + level_s * draft_levels + self.forward.seconds(positions)
+        return (
+            self.fixed_s(draft_levels, calls_drafter=calls_drafter)
+            + level_s * draft_levels
+            + self.forward.seconds(positions)
+        )
 
-    def fixed_s(self, draft_levels: int) -> float:
-        """The fixed cost of a round that drafts ``draft_levels`` levels (0: a plain round)."""
-        return self.overhead_s.value + (self.draft_call_s.value if draft_levels > 0 else 0.0)
+    def fixed_s(self, draft_levels: int, *, calls_drafter: bool = False) -> float:
+        """The fixed cost of a round that drafts ``draft_levels`` levels (0: a plain round, unless it
+        ``calls_drafter``)."""
+        calls = draft_levels > 0 or calls_drafter
+        return self.overhead_s.value + (self.draft_call_s.value if calls else 0.0)
 
 
 class AcceptanceTracker:
@@ -228,6 +246,7 @@ class AcceptanceTracker:
         self.idle_rounds = 0  # rounds since the request last drafted
         self.failed_probes = 0  # probes in a row that accepted nothing
         self.last_draft_model_free = False  # the last draft ran no model (prompt lookup)
+        self.lookup: AcceptanceTracker | None = None  # its prompt-lookup chains, kept apart (module docstring)
 
     @property
     def max_length(self) -> int:
@@ -280,11 +299,27 @@ class AcceptanceTracker:
 @dataclass(frozen=True)
 class Candidate:
     """One request of the batch being planned: its tracker, the longest draft it may have this round, and for a
-    tree the nodes its full tree holds (a tree is sent whole or not at all; None: a chain, one node per level)."""
+    tree the nodes its full tree holds (a tree is sent whole or not at all; None: a chain, one node per level).
+    ``model_free``: the draft is a prompt-lookup chain (``tracker`` is then the request's ``lookup`` tracker): it
+    costs the drafter call but no draft level."""
 
     tracker: AcceptanceTracker
     max_length: int
     tree_nodes: int | None = None
+    model_free: bool = False
+
+    @classmethod
+    def for_round(cls, tracker: AcceptanceTracker, depth: int, nodes: int, *, tree: bool, lookup: int = 0) -> Candidate:
+        """A request's round with room for ``nodes`` nodes of a draft ``depth`` deep (a chain: ``min(depth,
+        nodes)``; a ``tree``: the whole tree), or, when its drafter will propose a prompt-lookup chain of ``lookup``
+        tokens (and ``tracker`` keeps a lookup estimate), that chain."""
+        if lookup and tracker.lookup is not None:
+            return cls(tracker.lookup, lookup, model_free=True)
+        return cls(tracker, depth, nodes) if tree else cls(tracker, min(depth, nodes))
+
+    def node_budget(self, length: int) -> int:
+        """The nodes to draft for a chosen ``length``: that many, or a tree's whole budget (0: none)."""
+        return length if self.tree_nodes is None or not length else self.tree_nodes
 
 
 class SpeculationController:
@@ -312,6 +347,9 @@ class SpeculationController:
         self.population = AcceptanceTracker(
             [prior_rate] * max_length, prior_weight=population_prior_weight, decay=population_decay
         )
+        self.lookup_population = AcceptanceTracker(
+            [prior_rate] * max_length, prior_weight=population_prior_weight, decay=population_decay
+        )
         self.request_prior_weight = request_prior_weight  # observations a new request's population prior counts as
         self.tokens_per_round = MovingAverage(initial=1.0)  # committed per sequence per round, all requests
 
@@ -321,6 +359,11 @@ class SpeculationController:
         tracker = AcceptanceTracker(self.population.rates(), prior_weight=self.request_prior_weight)
         tracker.idle_rounds = self.probe_every
         return tracker
+
+    def lookup_tracker(self) -> AcceptanceTracker:
+        """A request's estimate of its prompt-lookup chains (its tracker's ``lookup``, for a drafter that proposes
+        them besides its model's drafts), starting from what the population's lookup chains accept."""
+        return AcceptanceTracker(self.lookup_population.rates(), prior_weight=self.request_prior_weight)
 
     def observe_verdict(
         self, tracker: AcceptanceTracker, proposed: int, accepted: int, *, model_free: bool = False
@@ -335,6 +378,11 @@ class SpeculationController:
         probed = tracker.idle_rounds >= self.probe_wait(tracker)  # a draft after that long idle is a probe
         tracker.idle_rounds = 0
         tracker.last_draft_model_free = model_free
+        if model_free and tracker.lookup is not None:  # a lookup chain says nothing of what the model drafts
+            tracker.lookup.idle_rounds = 0
+            tracker.lookup.observe(proposed, accepted)
+            self.lookup_population.observe(proposed, accepted)
+            return
         tracker.failed_probes = 0 if accepted else tracker.failed_probes + probed
         tracker.observe(proposed, accepted)
         self.population.observe(proposed, accepted)
@@ -414,7 +462,8 @@ class SpeculationController:
         so the increments are taken best gain per position first and the best prefix of that order is kept. Were the
         round cost a function of the position count alone, that would be the optimum (among all choices with n
         positions the n best gains win); the draft term (the longest chain's levels) makes it a close heuristic.
-        A prefix predicted to beat no drafting by less than ``min_gain`` is not taken (module docstring).
+        A prefix predicted to beat no drafting by less than ``min_gain`` is not taken (module docstring). A
+        model-free candidate (a prompt-lookup chain) adds positions and the drafter call, no draft level.
         """
         # (-gain per position, level, request, positions added, draft levels it needs)
         increments: list[tuple[float, int, int, int, int]] = []
@@ -435,24 +484,29 @@ class SpeculationController:
         best_prefix = 0
         drafting: set[int] = set()  # the requests the prefix drafts for: a level costs more the more rows it drafts
         rows = 0
+        calls = False  # the prefix calls the drafter (for a model-free chain, with no level to draft)
         for taken, (negative_gain, _, index, added, level) in enumerate(increments, start=1):
             positions += added
             tokens += -negative_gain * added
-            levels = max(levels, level)
-            if index not in drafting:
-                drafting.add(index)
-                rows += rows_per_level(added, level)  # a request's first increment: a chain's first node, or a tree
-            rate = tokens / self.cost.seconds(positions, levels, rows)
+            calls = True
+            if not candidates[index].model_free:
+                levels = max(levels, level)
+                if index not in drafting:
+                    drafting.add(index)
+                    rows += rows_per_level(added, level)  # its first increment: a chain's first node, or a tree
+            rate = tokens / self.cost.seconds(positions, levels, rows, calls_drafter=calls)
             if rate > best_rate:
                 best_rate, best_prefix = rate, taken
         lengths = [0] * len(candidates)
         for _, _, index, _, level in increments[:best_prefix]:
             lengths[index] = max(lengths[index], level)
         for index, candidate in enumerate(candidates):  # a probe: the estimate of a request that stopped drafting
-            if (
-                not lengths[index]
-                and candidate.max_length
-                and candidate.tracker.idle_rounds >= self.probe_wait(candidate.tracker)
-            ):
+            tracker = candidate.tracker
+            if lengths[index] or not candidate.max_length:
+                continue
+            if tracker.idle_rounds >= self.probe_wait(tracker):
                 lengths[index] = 1  # (and the population prior new requests start from) can only move on evidence
+            elif candidate.model_free:  # no verdict will tell this lookup estimate of the round: it fades here
+                tracker.fade()
+                tracker.idle_rounds += 1
         return lengths

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from specdec.adaptive import AcceptanceTracker, Candidate, SpeculationController, rows_per_level
 from specdec.drafters.base import Drafter, Proposal
+from specdec.lookup import prompt_lookup
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams, TopLogprobs
 from specdec.stats import GenerationResult, SpecStats
@@ -121,6 +122,8 @@ class Engine:
             feature_context=self.drafter.feature_context if takes_features else 0,
         )
         tracker = self.controller.tracker() if self.controller is not None else None
+        if tracker is not None and self.drafter is not None and self.drafter.lookup_min_match > 0:
+            tracker.lookup = self.controller.lookup_tracker()
         sequence = _Sequence(request, sequence_id, None, tracker=tracker)
         if self.drafter is not None:
             try:
@@ -172,15 +175,27 @@ class Engine:
         return self.drafter.propose(handles, budgets)
 
     def _adaptive_budgets(self, active: list[_Sequence], budgets: list[int]) -> list[int]:
-        """The controller's node budget for each sequence: a chain of its chosen length, or the whole tree or none."""
+        """The controller's node budget for each sequence: a chain of its chosen length, or the whole tree or none;
+        a round the drafter will propose a prompt-lookup chain in is planned as one (its own estimate, no level)."""
         config = self.drafter.config
-        depth = config.num_draft_tokens
-        if config.tree_width <= 1:
-            candidates = [Candidate(s.tracker, min(budget, depth)) for s, budget in zip(active, budgets, strict=True)]
-            return self.controller.choose(candidates)
-        nodes = [min(budget, config.max_nodes) for budget in budgets]
-        candidates = [Candidate(s.tracker, depth, n) for s, n in zip(active, nodes, strict=True)]
-        return [n if length else 0 for n, length in zip(nodes, self.controller.choose(candidates), strict=True)]
+        candidates = []
+        for sequence, budget in zip(active, budgets, strict=True):
+            nodes = min(budget, config.max_nodes)
+            lookup = len(self._lookup_chain(sequence, nodes))
+            tree = config.tree_width > 1
+            candidates.append(
+                Candidate.for_round(sequence.tracker, config.num_draft_tokens, nodes, tree=tree, lookup=lookup)
+            )
+        lengths = self.controller.choose(candidates)
+        return [candidate.node_budget(length) for candidate, length in zip(candidates, lengths, strict=True)]
+
+    def _lookup_chain(self, sequence: _Sequence, limit: int) -> list[int]:
+        """The prompt-lookup chain the drafter proposes for ``sequence`` this round, at most ``limit`` long (empty:
+        its model drafts); the drafter's choice depends on the text alone (:mod:`specdec.lookup`)."""
+        if sequence.tracker is None or sequence.tracker.lookup is None:
+            return []
+        text = [*sequence.request.prompt_ids, *sequence.output]
+        return prompt_lookup(text, self.drafter.lookup_min_match, limit)
 
     def _observe(
         self,

@@ -395,3 +395,45 @@ def test_a_tree_level_is_priced_by_the_rows_it_drafts_not_as_one_chain_node() ->
     assert controller.choose([Candidate(fixed_tracker(0.6, 2), 2, tree_nodes=8)]) == [0]
     assert controller.cost.seconds(9, 2, 4) == pytest.approx(30e-3)
     assert controller.choose([Candidate(fixed_tracker(0.6, 2), 2)]) == [2]
+
+
+def test_a_prompt_lookup_chain_is_priced_without_draft_levels() -> None:
+    """Worked example, a flat 10 ms forward and 5 ms per draft level: the model's one-level draft at 0.3 commits
+    1.3 tokens in 15 ms (87 tokens/s, under plain steps' 100), so it is not taken; the same request's lookup chain at
+    0.9 by position commits 1 + 0.9 + 0.81 + 0.729 + 0.6561 = 4.1 tokens in 10 ms, whole. A drafter call of 40 ms
+    (disaggregated) prices it at 4.1 / 50 ms = 82 tokens/s: not taken either."""
+    controller = controller_with(lambda positions: 10.0, draft_level_ms=5.0, max_length=4)
+    assert controller.choose([Candidate(fixed_tracker(0.3, 4), 4)]) == [0]
+    lookup = Candidate(fixed_tracker(0.9, 4), 4, model_free=True)
+    assert controller.choose([lookup]) == [4]
+    assert controller.choose([lookup, Candidate(fixed_tracker(0.3, 4), 4)]) == [4, 0]
+    controller.cost.draft_call_s.add(0.040)
+    assert controller.choose([lookup]) == [0]
+
+
+def test_a_lookup_verdict_moves_the_lookup_estimate_not_the_models() -> None:
+    controller = SpeculationController(4)
+    tracker = controller.tracker()
+    tracker.lookup = controller.lookup_tracker()
+    model_rates, lookup_rates = tracker.rates(), tracker.lookup.rates()
+    controller.observe_verdict(tracker, 4, 4, model_free=True)
+    assert tracker.rates() == model_rates and tracker.lookup.rates()[0] > lookup_rates[0]
+    assert controller.lookup_population.rates()[0] > controller.population.rates()[0]
+    assert tracker.idle_rounds == 0 and not tracker.caught_up  # a draft, by no model
+    controller.observe_verdict(tracker, 2, 0)
+    assert tracker.rates()[0] < model_rates[0] and tracker.lookup.rates()[0] > lookup_rates[0]
+
+
+def test_a_lookup_chain_not_taken_fades_its_estimate_and_is_probed_again() -> None:
+    """A request's lookup chains that were all rejected are not drafted; each round one is declined counts as idle
+    for that estimate (no verdict will), which fades back to its prior, and after ``probe_every`` such rounds the
+    chain is probed with one token."""
+    controller = controller_with(lambda positions: 10.0 + positions, max_length=4)
+    lookup = AcceptanceTracker([0.5] * 4, prior_weight=1.0)
+    for _ in range(6):
+        lookup.observe(4, 0)
+    low = lookup.rates()[0]
+    candidate = Candidate(lookup, 4, model_free=True)
+    chosen = [controller.choose([candidate])[0] for _ in range(controller.probe_every + 1)]
+    assert chosen[: controller.probe_every] == [0] * controller.probe_every and chosen[-1] == 1
+    assert lookup.rates()[0] > low

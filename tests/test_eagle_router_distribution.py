@@ -84,6 +84,7 @@ def test_the_eagle_drafter_service_reports_its_feature_rows(
         status = drafter_pb2_grpc.DrafterStub(channel).Status(drafter_pb2.DrafterStatusRequest(), timeout=10)
     width = target.model.config.hidden_size * max(1, len(feature_layers))
     assert (status.kind, status.feature_width, tuple(status.feature_layers)) == ("eagle", width, feature_layers)
+    assert status.lookup_min_match == DEFAULT_LOOKUP_MIN_MATCH  # the router plans its lookup rounds (auto) by it
 
 
 def test_the_drafter_service_sets_its_eagle_drafters_prompt_lookup(target: LoadedModel, tmp_path: Path) -> None:

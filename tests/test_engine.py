@@ -8,7 +8,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from specdec.adaptive import SpeculationController
 from specdec.drafters import DraftConfig, Proposal, build_drafter
+from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel
@@ -222,6 +224,10 @@ class SpyDrafter:
     def feature_context(self) -> int:
         return self.inner.feature_context
 
+    @property
+    def lookup_min_match(self) -> int:
+        return self.inner.lookup_min_match
+
     def open(self, prompt: list[int], params: SamplingParams, generator: torch.Generator) -> int:
         return self.inner.open(prompt, params, generator)
 
@@ -351,3 +357,32 @@ def test_auto_learns_a_draft_levels_cost_only_from_a_draft_that_follows_a_drafti
     assert len(levels) == result.stats.rounds
     chosen = [cycle[i % 8] for i in range(len(levels))]
     assert levels == [n if n and chosen[i - 1] else 0 for i, n in enumerate(chosen)]
+
+
+class ReportedLookup(NgramDrafter):
+    """An n-gram drafter whose chains are exactly an eagle drafter's prompt-lookup chains (tails of 2 to 8 tokens),
+    reporting ``lookup_min_match`` (0: as a drafter whose rounds are all of one kind)."""
+
+    def __init__(self, reported_min_match: int) -> None:
+        super().__init__(DraftConfig(num_draft_tokens=4), max_ngram=8, min_ngram=2, vocab_size=VOCAB)
+        self.lookup_min_match = reported_min_match
+
+
+@pytest.mark.parametrize("reported_min_match", [2, 0])
+def test_auto_plans_a_prompt_lookup_round_as_one(target: LoadedModel, reported_min_match: int) -> None:
+    """Co-located as through the router: draft levels priced at a second each make the model's drafts never pay,
+    but a round the drafter will propose a lookup chain in (the engine sees the text repeat a tail) costs no level,
+    so the engine drafts that chain, longer than one token; unaware, it drafts only one-token probes. Either way
+    the output is target-only greedy's."""
+    controller = SpeculationController(4)
+    for _ in range(8):
+        controller.cost.draft_level.observe(1, 1.0)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    request = GenerationRequest(prompt, SamplingParams(0.0), 24, ignore_eos=True)
+    [result] = Engine(KVRunner(target.model), frozenset(), ReportedLookup(reported_min_match), controller).generate(
+        [request]
+    )
+    [plain] = Engine(KVRunner(target.model), frozenset()).generate([request])
+    assert result.token_ids == plain.token_ids
+    longest = len(result.stats.rounds_per_draft_size) - 1
+    assert longest > 1 if reported_min_match else longest <= 1

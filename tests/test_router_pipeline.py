@@ -20,6 +20,7 @@ from router.errors import WorkerError, WorkerRejectedError, WorkerUnavailableErr
 from router.pipeline import Chunk, Commit, Drafted, Final, SequenceSpec, Session, Verified, derive_seed
 from router.requests import DraftShape, Plan
 from specdec.adaptive import SpeculationController
+from specdec.lookup import prompt_lookup
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from tests.controllers import CyclingController
@@ -142,6 +143,7 @@ class FakeDrafter:
     feature_width = 0
     feature_layers = ()
     feature_context = 0
+    lookup_min_match = 0
     kind = None
 
     def __init__(
@@ -637,6 +639,60 @@ def test_rounds_that_draft_nothing_do_not_wait_for_a_busy_drafter_to_answer_thei
     assert tokens == reference(PROMPT, 8)[0]
     assert final.stats.draft_tokens >= 1 and not final.stats.drafter_fallback
     assert commits[:5] == [(len(PROMPT) + n, 1) for n in range(5)]  # in order, each after the one before
+    assert_clean(placement)
+
+
+CYCLE = (3, 1, 4, 1, 5, 9)
+
+
+def cyclic_next(context: Sequence[int]) -> int:
+    """A target that repeats ``CYCLE``: the text's tail always occurred earlier, one cycle back."""
+    return CYCLE[len(context) % len(CYCLE)]
+
+
+class LookupDrafter(FakeDrafter):
+    """An eagle-like drafter: a prompt-lookup chain (``specdec.lookup.prompt_lookup``, model-free) when the text's
+    tail of ``lookup_min_match`` (2) tokens occurred earlier, else the model's guesses, always wrong.
+    ``reported_min_match`` is what it tells the router (0: nothing, as a drafter that never looks up)."""
+
+    def __init__(self, reported_min_match: int) -> None:
+        super().__init__(next_token=cyclic_next)
+        self.lookup_min_match = reported_min_match
+
+    def _draft(self, state: dict, text: list[int], max_tokens: int) -> Drafted:
+        limit = min(state["gamma"], max_tokens)
+        chain, model_free = prompt_lookup(text, 2, limit), True
+        if not chain:
+            chain, model_free = [(cyclic_next(text) + 1) % (VOCAB - 1)] * limit, False
+        path = tuple(range(len(chain)))
+        return Drafted(TokenTree.chain(chain), tuple(chain), 500, 8 * len(chain), path, model_free=model_free)
+
+
+@pytest.mark.parametrize("reported_min_match", [2, 0])
+def test_auto_plans_a_prompt_lookup_round_as_one(reported_min_match: int) -> None:
+    """``auto`` with a drafter whose model never pays (its draft levels priced at a second each) but whose prompt-
+    lookup chains do: told the drafter's ``lookup_min_match``, the router sees each round will be a lookup chain
+    (the text repeats) and drafts it whole, with the request's own estimate of lookup chains; a router not told
+    plans every round as the model's draft, and drafts only one-token probes (and their pre-drafts)."""
+    controller = SpeculationController(4)
+    for _ in range(8):
+        controller.cost.draft_level.observe(1, 1.0)
+    drafter = LookupDrafter(reported_min_match)
+    placement = FakePlacement([FakeVerifier(next_token=cyclic_next)], [drafter])
+    plan = replace(make_plan("auto", max_tokens=40), prompt_ids=CYCLE * 2)
+    tokens: list[int] = []
+
+    async def emit(chunk: Chunk) -> None:
+        tokens.extend(chunk.token_ids)
+
+    final = asyncio.run(Session(plan, placement, emit, sequence_id="s", controller=controller).run())
+    assert tokens == [CYCLE[n % len(CYCLE)] for n in range(len(CYCLE) * 2, len(CYCLE) * 2 + 40)]
+    stats = final.stats
+    if reported_min_match:
+        assert stats.draft_tokens >= 24 and stats.accepted_tokens == stats.draft_tokens  # whole chains, accepted
+        assert stats.rounds <= 12
+    else:
+        assert len(stats.rounds_per_draft_size) == 2 and stats.rounds >= 35  # one-token drafts, the rest plain steps
     assert_clean(placement)
 
 

@@ -80,6 +80,7 @@ class BatchedDrafter(BatchedWorker):
     feature_width = 0
     feature_layers = ()
     feature_context = 0
+    lookup_min_match = 0
     kind = None
 
     async def propose(

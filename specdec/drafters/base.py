@@ -199,6 +199,12 @@ class Drafter(Protocol):
         ...
 
     @property
+    def lookup_min_match(self) -> int:
+        """The shortest text tail whose earlier occurrence makes a round a prompt-lookup chain
+        (:func:`specdec.lookup.prompt_lookup`) instead of the model's draft; 0: its rounds are all of one kind."""
+        ...
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target layers whose rows those are (:meth:`~specdec.runner.KVRunner.forward_features`); empty: the
         final norm's output, the default."""
@@ -257,6 +263,8 @@ class SequenceDrafter(ABC, Generic[S]):
     (:meth:`_resync`) and what closing frees (:meth:`_release`); ``propose`` must leave an
     :class:`Outstanding` on every sequence it drafted for.
     """
+
+    lookup_min_match = 0  # (Drafter.lookup_min_match) an eagle drafter sets its own
 
     def __init__(self, config: DraftConfig, vocab_size: int | None) -> None:
         self.config = config
