@@ -74,7 +74,7 @@ from router.predraft import PreDraft, select, selected
 from router.requests import DraftShape, Plan
 from router.text import TextStream
 from specdec.adaptive import Candidate, SpeculationController, rows_per_level
-from specdec.lookup import prompt_lookup
+from specdec.lookup import LookupIndex
 from specdec.sampling_params import SamplingParams, TopLogprobs
 from specdec.stats import AcceptanceCounts
 from specdec.tree import TokenTree
@@ -369,6 +369,7 @@ class Session:
         self._last_forward: tuple[int, int] = (0, 1)  # (positions, sequences) of the last verdict's forward
         self._last_size = 0  # nodes this request put into it
         self._planned_budget: int | None = None  # auto: the next round's draft budget, chosen a round early
+        self._text_index = LookupIndex()  # auto with a drafter that looks up: the committed text, indexed
 
     @property
     def sequence_id(self) -> str:
@@ -670,7 +671,10 @@ class Session:
             return []
         if self._tracker.lookup is None:
             self._tracker.lookup = self._controller.lookup_tracker()
-        return prompt_lookup([*self.plan.prompt_ids, *self.generated, *assumed], drafter.lookup_min_match, limit)
+            self._text_index.extend(self.plan.prompt_ids)
+        index = self._text_index
+        index.extend(self.generated[len(index) - len(self.plan.prompt_ids) :])
+        return index.prompt_lookup(drafter.lookup_min_match, limit, assumed)
 
     def _shared_load(self) -> dict[str, Any]:
         """What the other sequences of this request's verifier's last forward add to it: positions and the tokens

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from specdec.adaptive import AcceptanceTracker, Candidate, SpeculationController, rows_per_level
 from specdec.drafters.base import Drafter, Proposal
-from specdec.lookup import prompt_lookup
+from specdec.lookup import LookupIndex
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams, TopLogprobs
 from specdec.stats import GenerationResult, SpecStats
@@ -54,6 +54,7 @@ class _Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     released: bool = False
     tracker: AcceptanceTracker | None = None  # its acceptance by position, when the draft length adapts
+    text_index: LookupIndex = field(default_factory=LookupIndex)  # prompt + output, when its lookups are planned
 
     @property
     def remaining(self) -> int:
@@ -122,9 +123,10 @@ class Engine:
             feature_context=self.drafter.feature_context if takes_features else 0,
         )
         tracker = self.controller.tracker() if self.controller is not None else None
+        sequence = _Sequence(request, sequence_id, None, tracker=tracker)
         if tracker is not None and self.drafter is not None and self.drafter.lookup_min_match > 0:
             tracker.lookup = self.controller.lookup_tracker()
-        sequence = _Sequence(request, sequence_id, None, tracker=tracker)
+            sequence.text_index.extend(request.prompt_ids)
         if self.drafter is not None:
             try:
                 generator = self._verifier.generator(sequence_id)
@@ -194,8 +196,9 @@ class Engine:
         its model drafts); the drafter's choice depends on the text alone (:mod:`specdec.lookup`)."""
         if sequence.tracker is None or sequence.tracker.lookup is None:
             return []
-        text = [*sequence.request.prompt_ids, *sequence.output]
-        return prompt_lookup(text, self.drafter.lookup_min_match, limit)
+        index = sequence.text_index
+        index.extend(sequence.output[len(index) - len(sequence.request.prompt_ids) :])
+        return index.prompt_lookup(self.drafter.lookup_min_match, limit)
 
     def _observe(
         self,

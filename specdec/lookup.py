@@ -8,6 +8,8 @@ depends on the text alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 LOOKUP_MAX_MATCH = 8  # the longest tail prompt lookup matches: a longer match names its context more surely
 # 5: a chance match of 3 or 4 tokens in chat, lists or QA proposed chains the head would have beaten (measured per
 # prompt, bench/results/eagle-lookup.md), while copying (rewrite, summarise) matches longer anyway
@@ -49,3 +51,60 @@ def prompt_lookup(text: list[int], min_match: int, limit: int) -> list[int]:
     if min_match <= 0 or limit <= 0:
         return []
     return lookup_continuation(text, LOOKUP_MAX_MATCH, min_match, limit)
+
+
+class LookupIndex:
+    """A growing text and where each token occurs in it, so that a prompt lookup costs the earlier occurrences of
+    the text's last token rather than a pass over the whole text (a router plans every ``auto`` round of an eagle
+    drafter by one: on a 4 000-token text the pass cost 92 µs a round, next to ~250 µs of everything else a round
+    costs the router). :meth:`prompt_lookup` equals :func:`prompt_lookup` on ``tokens + extra``."""
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._positions: dict[int, list[int]] = {}
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self._positions.setdefault(token, []).append(len(self.tokens))
+            self.tokens.append(token)
+
+    def prompt_lookup(self, min_match: int, limit: int, extra: Sequence[int] = ()) -> list[int]:
+        """:func:`prompt_lookup` on the text followed by ``extra`` (e.g. a proposal assumed accepted)."""
+        if min_match <= 0 or limit <= 0:
+            return []
+        return self.continuation(LOOKUP_MAX_MATCH, min_match, limit, extra)
+
+    def continuation(self, max_ngram: int, min_ngram: int, max_tokens: int, extra: Sequence[int] = ()) -> list[int]:
+        """:func:`lookup_continuation` of the text followed by ``extra``."""
+        text, base = self.tokens, len(self.tokens)
+        size = base + len(extra)
+        if min_ngram < 1 or size < min_ngram + 1:
+            return []
+
+        def at(index: int) -> int:
+            return text[index] if index < base else extra[index - base]
+
+        last = at(size - 1)
+        # where an earlier occurrence of the last token ends (exclusive), most recent first: in ``extra`` before its
+        # own last token, then in the text (all of it when ``extra`` follows, else before its last token)
+        ends = [base + offset + 1 for offset in range(len(extra) - 2, -1, -1) if extra[offset] == last]
+        ends += [position + 1 for position in reversed(self._positions.get(last, ())) if position + 1 < size]
+        best_length, best_end = 0, -1
+        for end in ends:
+            if end < min_ngram:
+                break
+            length = 1
+            limit = min(max_ngram, end)
+            while length < limit and at(end - 1 - length) == at(size - 1 - length):
+                length += 1
+            if length > best_length:
+                best_length, best_end = length, end
+                if length == max_ngram:
+                    break
+        if best_length < min_ngram:
+            return []
+        return [at(index) for index in range(best_end, min(best_end + max_tokens, size))]

@@ -5,7 +5,7 @@ import random
 import torch
 
 from specdec.drafters import DraftConfig, NgramDrafter
-from specdec.lookup import lookup_continuation
+from specdec.lookup import LookupIndex, lookup_continuation
 from specdec.sampling import SamplingParams
 
 
@@ -36,6 +36,25 @@ def test_the_one_pass_lookup_finds_what_the_definition_does() -> None:
         min_ngram, max_tokens = rng.randint(1, max_ngram), rng.randint(0, 5)
         expected = lookup_by_definition(tokens, max_ngram, min_ngram, max_tokens)
         assert lookup_continuation(tokens, max_ngram, min_ngram, max_tokens) == expected, (tokens, max_ngram, min_ngram)
+
+
+def test_an_indexed_text_finds_what_the_definition_does_on_it_and_what_follows() -> None:
+    """A LookupIndex grown in random steps, asked on its text followed by a random ``extra`` (a proposal assumed
+    accepted) or by nothing, answers what the definition answers on the whole text, on 20 000 seeded random cases."""
+    rng = random.Random(1)
+    for _ in range(20_000):
+        vocabulary = rng.randint(1, 5)
+        index, text = LookupIndex(), []
+        for _ in range(rng.randint(0, 3)):
+            step = [rng.randrange(vocabulary) for _ in range(rng.randint(0, 12))]
+            index.extend(step)
+            text += step
+        extra = [rng.randrange(vocabulary) for _ in range(rng.choice([0, 0, rng.randint(1, 5)]))]
+        max_ngram = rng.randint(1, 6)
+        min_ngram, max_tokens = rng.randint(1, max_ngram), rng.randint(0, 5)
+        expected = lookup_by_definition(text + extra, max_ngram, min_ngram, max_tokens)
+        assert index.continuation(max_ngram, min_ngram, max_tokens, extra) == expected, (text, extra, max_ngram)
+    assert len(index) == len(text)
 
 
 def test_drafter_proposes_deterministic_chains_and_follows_commits() -> None:
