@@ -1,9 +1,9 @@
 """Prompt lookup: the tokens that followed the most recent earlier occurrence of a text's tail (no model, no torch).
 
 The ``ngram`` drafter proposes nothing else; an ``eagle`` drafter proposes such a chain instead of its head's when
-the matched tail is at least ``lookup_min_match`` tokens long (:func:`prompt_lookup`), and a router or engine that
-plans that drafter's rounds (``auto``) computes the same chain to know the round will be one, since the choice
-depends on the text alone.
+the matched tail is at least ``lookup_min_match`` tokens long (:meth:`LookupIndex.prompt_lookup`), and a router or
+engine that plans that drafter's rounds (``auto``) computes the same chain to know the round will be one, since the
+choice depends on the text alone.
 """
 
 from __future__ import annotations
@@ -45,19 +45,12 @@ def lookup_continuation(tokens: list[int], max_ngram: int, min_ngram: int, max_t
     return tokens[best_end : best_end + max_tokens]
 
 
-def prompt_lookup(text: list[int], min_match: int, limit: int) -> list[int]:
-    """An eagle drafter's prompt-lookup chain on ``text``: at most ``limit`` tokens, from a tail of at least
-    ``min_match`` tokens (0: never) and at most :data:`LOOKUP_MAX_MATCH`; empty when there is none."""
-    if min_match <= 0 or limit <= 0:
-        return []
-    return lookup_continuation(text, LOOKUP_MAX_MATCH, min_match, limit)
-
-
 class LookupIndex:
     """A growing text and where each token occurs in it, so that a prompt lookup costs the earlier occurrences of
-    the text's last token rather than a pass over the whole text (a router plans every ``auto`` round of an eagle
-    drafter by one: on a 4 000-token text the pass cost 92 µs a round, next to ~250 µs of everything else a round
-    costs the router). :meth:`prompt_lookup` equals :func:`prompt_lookup` on ``tokens + extra``."""
+    the text's last token rather than a pass over the whole text (on a 4 000-token text the pass cost 92 µs a round,
+    next to ~250 µs of everything else a round costs a router that plans every ``auto`` round of an eagle drafter,
+    and an eagle drafter looks up every round of every sequence). Its lookups equal :func:`lookup_continuation` on
+    the text followed by what they are given as ``extra``."""
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self.tokens: list[int] = []
@@ -72,8 +65,15 @@ class LookupIndex:
             self._positions.setdefault(token, []).append(len(self.tokens))
             self.tokens.append(token)
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (a drafter's text rolled back)."""
+        while len(self.tokens) > length:
+            self._positions[self.tokens.pop()].pop()
+
     def prompt_lookup(self, min_match: int, limit: int, extra: Sequence[int] = ()) -> list[int]:
-        """:func:`prompt_lookup` on the text followed by ``extra`` (e.g. a proposal assumed accepted)."""
+        """An eagle drafter's prompt-lookup chain on the text followed by ``extra`` (e.g. a proposal assumed accepted):
+        at most ``limit`` tokens, from a tail of at least ``min_match`` tokens (0: never) and at most
+        :data:`LOOKUP_MAX_MATCH`; empty when there is none."""
         if min_match <= 0 or limit <= 0:
             return []
         return self.continuation(LOOKUP_MAX_MATCH, min_match, limit, extra)

@@ -20,7 +20,7 @@ from router.errors import WorkerError, WorkerRejectedError, WorkerUnavailableErr
 from router.pipeline import Chunk, Commit, Drafted, Final, SequenceSpec, Session, Verified, derive_seed
 from router.requests import DraftShape, Plan
 from specdec.adaptive import SpeculationController
-from specdec.lookup import prompt_lookup
+from specdec.lookup import LookupIndex
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
 from tests.controllers import CyclingController
@@ -651,7 +651,7 @@ def cyclic_next(context: Sequence[int]) -> int:
 
 
 class LookupDrafter(FakeDrafter):
-    """An eagle-like drafter: a prompt-lookup chain (``specdec.lookup.prompt_lookup``, model-free) when the text's
+    """An eagle-like drafter: a prompt-lookup chain (``specdec.lookup``, model-free) when the text's
     tail of ``lookup_min_match`` (2) tokens occurred earlier, else the model's guesses, always wrong.
     ``reported_min_match`` is what it tells the router (0: nothing, as a drafter that never looks up)."""
 
@@ -661,7 +661,7 @@ class LookupDrafter(FakeDrafter):
 
     def _draft(self, state: dict, text: list[int], max_tokens: int) -> Drafted:
         limit = min(state["gamma"], max_tokens)
-        chain, model_free = prompt_lookup(text, 2, limit), True
+        chain, model_free = LookupIndex(text).prompt_lookup(2, limit), True
         if not chain:
             chain, model_free = [(cyclic_next(text) + 1) % (VOCAB - 1)] * limit, False
         path = tuple(range(len(chain)))

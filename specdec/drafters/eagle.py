@@ -64,7 +64,7 @@ from specdec.drafters.model import (
 )
 from specdec.errors import InvalidArgumentError
 from specdec.linear import can_quantize, packed_for_inference
-from specdec.lookup import DEFAULT_LOOKUP_MIN_MATCH, prompt_lookup
+from specdec.lookup import DEFAULT_LOOKUP_MIN_MATCH, LookupIndex
 from specdec.precision import check_draft_quantization
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -91,6 +91,7 @@ class _Sequence(SampledSequence):
     features_from: int = 0  # rows before it were not sent (older than the context) or were dropped
     fresh_from: int | None = None  # rows from here on were given since the last resync: for the text that comes
     predicted: dict[int, torch.Tensor] = field(default_factory=dict)  # text position -> the head's g there
+    lookup: LookupIndex | None = None  # the text, indexed for prompt lookup (None: the drafter never looks up)
 
 
 @dataclass
@@ -326,8 +327,10 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
     def _lookup(self, state: _Sequence, budget: int) -> list[int]:
         """This round's chain by prompt lookup: what followed the most recent earlier occurrence of the text's tail,
         when that tail is at least ``lookup_min_match`` tokens long (else none: the head drafts)."""
+        if state.lookup is None:
+            return []
         limit = min(budget, state.config.max_nodes, self.max_seq_len - len(state.text))
-        return prompt_lookup(state.text, self.lookup_min_match, limit)
+        return state.lookup.prompt_lookup(self.lookup_min_match, limit)
 
     def _plan(self, state: _Sequence, budget: int) -> _Round | None:
         """This round's pending rows and depth, or None when the sequence cannot draft (no features yet)."""
@@ -452,8 +455,15 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
                 "prompt", f"{len(prompt)} tokens exceed the head's context of {self.max_seq_len}"
             )
         empty = [torch.empty(self._kv_heads, 0, self._head_dim, **self._tensors) for _ in self.head.layers]
+        lookup = LookupIndex(prompt) if self.lookup_min_match else None
         return _Sequence(
-            text=prompt, config=config, params=params, generator=generator, keys=list(empty), values=list(empty)
+            text=prompt,
+            config=config,
+            params=params,
+            generator=generator,
+            keys=list(empty),
+            values=list(empty),
+            lookup=lookup,
         )
 
     def _resync(self, state: _Sequence, text: list[int], path: list[int] | None) -> None:
@@ -479,4 +489,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
                 if prediction is not None and base + depth >= state.num_features:
                     state.predicted[base + depth] = prediction
             state.predicted = {p: g for p, g in state.predicted.items() if p >= state.num_features}
+        if state.lookup is not None:
+            state.lookup.truncate(agree)
+            state.lookup.extend(text[agree:])
         state.text = text
