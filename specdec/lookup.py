@@ -8,7 +8,7 @@ choice depends on the text alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 LOOKUP_MAX_MATCH = 8  # the longest tail prompt lookup matches: a longer match names its context more surely
 # 5: a chance match of 3 or 4 tokens in chat, lists or QA proposed chains the head would have beaten (measured per
@@ -28,21 +28,27 @@ def lookup_continuation(tokens: list[int], max_ngram: int, min_ngram: int, max_t
     if min_ngram < 1 or size < min_ngram + 1:
         return []
     last = tokens[-1]
+    ends = (end for end in range(size - 1, min_ngram - 1, -1) if tokens[end - 1] == last)
+    start = _match_end(ends, tokens.__getitem__, size, max_ngram, min_ngram)
+    return tokens[start : start + max_tokens] if start >= 0 else []
+
+
+def _match_end(ends: Iterable[int], at: Callable[[int], int], size: int, max_ngram: int, min_ngram: int) -> int:
+    """Of ``ends`` (where earlier occurrences of the last of ``size`` tokens end, exclusive; most recent first), the
+    one the longest match of the tail ends at, the most recent of equals; -1 when none is ``min_ngram`` long."""
     best_length, best_end = 0, -1
-    for end in range(size - 1, min_ngram - 1, -1):  # a match ends at ``end`` (exclusive), most recent first
-        if tokens[end - 1] != last:
-            continue
+    for end in ends:
+        if end < min_ngram:
+            break
         length = 1
         limit = min(max_ngram, end)
-        while length < limit and tokens[end - 1 - length] == tokens[size - 1 - length]:
+        while length < limit and at(end - 1 - length) == at(size - 1 - length):
             length += 1
         if length > best_length:
             best_length, best_end = length, end
             if length == max_ngram:
                 break
-    if best_length < min_ngram:
-        return []
-    return tokens[best_end : best_end + max_tokens]
+    return best_end if best_length >= min_ngram else -1
 
 
 class LookupIndex:
@@ -93,18 +99,5 @@ class LookupIndex:
         # own last token, then in the text (all of it when ``extra`` follows, else before its last token)
         ends = [base + offset + 1 for offset in range(len(extra) - 2, -1, -1) if extra[offset] == last]
         ends += [position + 1 for position in reversed(self._positions.get(last, ())) if position + 1 < size]
-        best_length, best_end = 0, -1
-        for end in ends:
-            if end < min_ngram:
-                break
-            length = 1
-            limit = min(max_ngram, end)
-            while length < limit and at(end - 1 - length) == at(size - 1 - length):
-                length += 1
-            if length > best_length:
-                best_length, best_end = length, end
-                if length == max_ngram:
-                    break
-        if best_length < min_ngram:
-            return []
-        return [at(index) for index in range(best_end, min(best_end + max_tokens, size))]
+        start = _match_end(ends, at, size, max_ngram, min_ngram)
+        return [at(index) for index in range(start, min(start + max_tokens, size))] if start >= 0 else []
