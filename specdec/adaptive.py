@@ -484,17 +484,16 @@ class SpeculationController:
         best_prefix = 0
         drafting: set[int] = set()  # the requests the prefix drafts for: a level costs more the more rows it drafts
         rows = 0
-        calls = False  # the prefix calls the drafter (for a model-free chain, with no level to draft)
         for taken, (negative_gain, _, index, added, level) in enumerate(increments, start=1):
             positions += added
             tokens += -negative_gain * added
-            calls = True
             if not candidates[index].model_free:
                 levels = max(levels, level)
                 if index not in drafting:
                     drafting.add(index)
                     rows += rows_per_level(added, level)  # its first increment: a chain's first node, or a tree
-            rate = tokens / self.cost.seconds(positions, levels, rows, calls_drafter=calls)
+            # every prefix calls the drafter: a model-free chain too, with no level to draft
+            rate = tokens / self.cost.seconds(positions, levels, rows, calls_drafter=True)
             if rate > best_rate:
                 best_rate, best_prefix = rate, taken
         lengths = [0] * len(candidates)

@@ -201,7 +201,8 @@ class Drafter(Protocol):
     @property
     def lookup_min_match(self) -> int:
         """The shortest text tail whose earlier occurrence makes a round a prompt-lookup chain
-        (:func:`specdec.lookup.prompt_lookup`) instead of the model's draft; 0: its rounds are all of one kind."""
+        (:meth:`specdec.lookup.LookupIndex.prompt_lookup`) instead of the model's draft; 0: its rounds are all of
+        one kind."""
         ...
 
     @property
