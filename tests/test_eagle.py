@@ -176,6 +176,63 @@ def test_drafting_computes_what_training_unrolls(target: LoadedModel, feature_la
     assert second in range(VOCAB)
 
 
+def _head_on_path(head: EagleHead, features: torch.Tensor, n: int, path: list[int]) -> torch.Tensor:
+    """The head's probabilities after ``path`` is drafted on ``TEXT[:n]`` (training's unrolled forward)."""
+    steps = len(path) + 1
+    tokens = torch.tensor([[*TEXT[1:n], *path]])
+    inputs = torch.cat([features[: n - 1], torch.zeros(len(path), features.shape[1])])[None]
+    width = n - 1 + len(path)
+    batch = Batch(
+        tokens,
+        inputs,
+        torch.zeros(1, width, head.hidden_size),
+        torch.arange(1, width + 1)[None],
+        torch.ones(1, width, dtype=torch.bool),
+    )
+    with torch.no_grad():
+        last = unrolled_forward(head, batch, steps)[-1]
+        return torch.softmax(head.logits(last[0, width - 1]), dim=-1)
+
+
+def test_a_greedy_tree_is_the_most_probable_nodes_of_a_dynamic_tree(target: LoadedModel) -> None:
+    """Greedy trees are EAGLE-2's dynamic trees: every level gives the ``tree_width`` most probable nodes of the level
+    above ``tree_width`` children each, the head's top tokens on the node's path (training's unrolled forward; at
+    depth 3 the level's forward ran only part of the level above), and the budget keeps the most probable nodes of
+    all (path probability: the product of the head's probabilities along it)."""
+    head = random_head(target)
+    features = true_features(target, TEXT)
+    n, width = 9, 2
+    proposals = []
+    for budget in (100, 5):  # every candidate (2 + 4 + 4 nodes), then the 5 most probable
+        drafter = EagleDrafter(head, DraftConfig(num_draft_tokens=3, tree_width=width, tree_budget=budget))
+        handle = drafter.open(TEXT[:n], GREEDY, make_generator(0))
+        drafter.add_features(handle, 0, features[: n - 1])
+        proposals.append(drafter.propose([handle], [budget])[0])
+    candidates, kept = (proposal.tree for proposal in proposals)
+    paths = {node: [candidates.tokens[i] for i in candidates.path_to(node)] for node in range(len(candidates))}
+    probability = {}
+    for node in range(-1, len(candidates)):
+        path = paths.get(node, [])
+        children = candidates.children(node)
+        if node >= 0:
+            parent = candidates.parents[node]
+            probability[node] = probability.get(parent, 1.0) * float(
+                _head_on_path(head, features, n, paths.get(parent, []))[path[-1]]
+            )
+        if children:
+            top = torch.topk(_head_on_path(head, features, n, path), width).indices.tolist()
+            assert [candidates.tokens[child] for child in children] == top
+    assert len(candidates) == width + 2 * width * width
+    for depth in (1, 2):
+        level = [node for node in range(len(candidates)) if len(paths[node]) == depth]
+        expanded = [node for node in level if candidates.children(node)]
+        assert sorted(expanded) == sorted(sorted(level, key=lambda node: -probability[node])[:width])
+    best = sorted((node for node in probability if node >= 0), key=lambda node: -probability[node])[:5]
+    assert sorted(tuple(paths[node]) for node in best) == sorted(
+        tuple(kept.tokens[i] for i in kept.path_to(node)) for node in range(len(kept))
+    )
+
+
 def test_rows_of_a_verdict_on_another_leaf_than_the_assumed_one_are_kept(target: LoadedModel) -> None:
     """A pipelined tree: the drafter assumed one leaf's path, the verdict accepted another leaf's (bonus deferred).
     Its rows, given before the Commit, cover the other branch; they stay, and the next verdict's rows continue them."""

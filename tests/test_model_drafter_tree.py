@@ -1,4 +1,5 @@
-"""The model drafter's trees: the node budget is spread so they reach their depth; sampled children follow q."""
+"""The model drafter's trees: a sampled tree's node budget is spread so it reaches its depth, and its children follow
+q; a greedy tree is dynamic (EAGLE-2): the most probable of the candidates it drafts."""
 
 import pytest
 import torch
@@ -6,19 +7,13 @@ from scipy.stats import chisquare
 
 from specdec.drafters import DraftConfig, build_drafter
 from specdec.sampling import SamplingParams
+from specdec.tree import TokenTree
 from tests.tiny_models import tiny_llama
 
 
-@pytest.mark.parametrize(
-    ("width", "depth", "budget", "params"),
-    [
-        (2, 3, 6, SamplingParams(temperature=0.0)),
-        (3, 4, 0, SamplingParams(temperature=0.0)),
-        (2, 3, 6, SamplingParams(temperature=1.0)),
-        (2, 4, 3, SamplingParams(temperature=1.0)),
-    ],
-)
-def test_tree_reaches_its_depth_within_budget(width: int, depth: int, budget: int, params: SamplingParams) -> None:
+@pytest.mark.parametrize(("width", "depth", "budget"), [(2, 3, 6), (2, 4, 3), (3, 3, 0)])
+def test_sampled_tree_reaches_its_depth_within_budget(width: int, depth: int, budget: int) -> None:
+    params = SamplingParams(temperature=1.0)
     target = tiny_llama(seed=3, vocab_size=8)
     config = DraftConfig(num_draft_tokens=depth, tree_width=width, tree_budget=budget, tree_sampling="iid")
     drafter = build_drafter("early-exit", target, config, early_exit_layers=1)
@@ -57,3 +52,31 @@ def test_sampled_children_follow_the_truncated_draft_row(scheme: str) -> None:
     assert chisquare(firsts[ids].numpy(), (q[ids] / q[ids].sum() * len(proposals)).numpy()).pvalue > 1e-3
     for handle in handles:
         drafter.close(handle)
+
+
+def _token_paths(tree: TokenTree) -> set[tuple[int, ...]]:
+    return {tuple(tree.tokens[node] for node in tree.path_to(node)) for node in range(len(tree))}
+
+
+@pytest.mark.parametrize(("width", "depth", "budget"), [(2, 3, 6), (3, 4, 5), (2, 5, 4)])
+def test_greedy_tree_keeps_budget_nodes_of_its_dynamic_candidates(width: int, depth: int, budget: int) -> None:
+    """Drafted without a bound, a greedy tree expands at most ``width`` nodes a level, ``width`` children each, to its
+    full depth; with a budget it proposes ``budget`` of those nodes (a tree: their ancestors are among them)."""
+    target = tiny_llama(seed=3, vocab_size=8)
+    trees = []
+    for nodes in (1000, budget):
+        config = DraftConfig(num_draft_tokens=depth, tree_width=width, tree_budget=nodes)
+        drafter = build_drafter("early-exit", target, config, early_exit_layers=1)
+        handle = drafter.open([1, 2, 3], SamplingParams(temperature=0.0), torch.Generator().manual_seed(0))
+        [proposal] = drafter.propose([handle], [1000])
+        trees.append(proposal.tree)
+        drafter.close(handle)
+    candidates, kept = trees
+    assert len(candidates) == width + (depth - 1) * width * width
+    assert candidates.max_depth() == depth
+    for level in range(depth - 1):
+        nodes = [node for node in range(len(candidates)) if len(candidates.path_to(node)) == level + 1]
+        expanded = [node for node in nodes if candidates.children(node)]
+        assert len(expanded) == width and all(len(candidates.children(node)) == width for node in expanded)
+    assert len(kept) == budget
+    assert _token_paths(kept) <= _token_paths(candidates)

@@ -67,7 +67,7 @@ from specdec.linear import can_quantize, packed_for_inference
 from specdec.lookup import DEFAULT_LOOKUP_MIN_MATCH, LookupIndex
 from specdec.precision import check_draft_quantization
 from specdec.sampling import SamplingParams
-from specdec.tree import TokenTree
+from specdec.tree import ROOT, TokenTree
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +107,7 @@ class _Round:
     scratch: int = 0  # rows whose K/V this round wrote into the sequence's buffers from ``kv_end`` on
     root_prediction: torch.Tensor | None = None
     node_predictions: list[torch.Tensor | None] = field(default_factory=list)
+    forwarded: list[int] = field(default_factory=list)  # the nodes in the scratch after the pending rows, in order
 
 
 @dataclass(frozen=True)
@@ -285,8 +286,7 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
             self._forward_pending(growing)
             for depth in range(1, max(r.draft.levels for r in growing)):
                 mark_stopped(drafts, planned_handles, stop)
-                level = [r for r in growing if depth < r.draft.levels and r.draft.frontier and not r.draft.stopped]
-                level = [r for r in level if len(r.draft.tokens) < r.draft.budget]
+                level = [r for r in growing if depth < r.draft.levels and r.draft.growing]
                 if not level:
                     break
                 self._forward_level(level, depth)
@@ -310,8 +310,11 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
                 proposals.append(Proposal(TokenTree.empty(), None))
                 continue
             self._commit_true_rows(state, plan)
+            predictions = plan.node_predictions + [None] * (len(draft.tokens) - len(plan.node_predictions))
+            kept = draft.select()
+            if kept is not None:
+                predictions = [predictions[old] for old in kept]
             tree = draft.tree
-            predictions = plan.node_predictions + [None] * (len(tree) - len(plan.node_predictions))
             assumed, rejections = draft.outstanding_fields()
             state.outstanding = _Drafted(
                 tree,
@@ -355,8 +358,9 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         kv_end = first - 1
         visible_from = kv_end if kv_end > state.committed else max(state.kv_floor, window_start)
         true_rows = max(0, min(length - 1, state.num_features) - kv_end)  # true features: a prefix
-        self._reserve(state, kv_end + len(tokens) + budget)  # the round's scratch: its pending rows and nodes
-        return _Round(TreeDraft(state, budget, levels), tokens, features, true_rows, visible_from, kv_end)
+        draft = TreeDraft(state, budget, levels)
+        self._reserve(state, kv_end + len(tokens) + draft.most_forwarded)  # the round's scratch: pending rows, nodes
+        return _Round(draft, tokens, features, true_rows, visible_from, kv_end)
 
     def _reserve(self, state: _Sequence, size: int) -> None:
         """Room for ``size`` KV rows in the sequence's buffers (doubling: the only copy of committed KV)."""
@@ -393,9 +397,14 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         for plan in rounds:
             draft = plan.draft
             state, frontier = draft.sequence, draft.frontier
-            forwarded = TokenTree(tuple(draft.tokens), tuple(draft.parents))  # every node so far, BFS order
-            full = attention_mask(plan.kv_end - plan.visible_from, len(plan.pending_tokens), forwarded)
-            mask = full[[len(plan.pending_tokens) + node for node in frontier]]
+            # the scratch's nodes and the frontier, as a tree of their own: a dynamic tree forwards only the nodes
+            # it expands, and every ancestor of a frontier node was expanded
+            order = plan.forwarded + frontier
+            place = {node: index for index, node in enumerate(order)} | {ROOT: ROOT}
+            rows = TokenTree(tuple(draft.tokens[n] for n in order), tuple(place[draft.parents[n]] for n in order))
+            full = attention_mask(plan.kv_end - plan.visible_from, len(plan.pending_tokens), rows)
+            mask = full[len(plan.pending_tokens) + len(plan.forwarded) :]
+            plan.forwarded = order
             slots.append(_Slot(plan, len(tokens), len(frontier), mask.to(self._tensors["device"])))
             for node in frontier:
                 parent = draft.parents[node]

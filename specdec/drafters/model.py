@@ -44,10 +44,12 @@ from specdec.tree import ROOT, TokenTree
 class _Drafted(Outstanding):
     """An outstanding proposal and how many of its nodes (a topological prefix) are in the runner's scratch.
 
-    ``forwarded_nodes`` is None when no forward ran for it (nothing was drafted).
+    ``forwarded_nodes`` is None when no forward ran for it (nothing was drafted). ``scratch_nodes``: each node's
+    index in the forwarded tree, when :meth:`TreeDraft.select` kept only some of its nodes (None: the same).
     """
 
     forwarded_nodes: int | None = None
+    scratch_nodes: tuple[int, ...] | None = None
 
 
 @dataclass(kw_only=True)
@@ -88,6 +90,44 @@ class TreeDraft:
     def tree(self) -> TokenTree:
         return TokenTree(tuple(self.tokens), tuple(self.parents))
 
+    @property
+    def dynamic(self) -> bool:
+        """Grown as EAGLE-2's dynamic tree (greedy trees only): every level expands the ``tree_width`` most probable
+        nodes of the level above with ``tree_width`` children each, to the full depth, and :meth:`select` then keeps
+        the ``budget`` most probable nodes of them all. The budget goes where the draft is confident: a deep chain
+        where it is sure, a wide first level where it is not. Sampled children cannot be chosen after they are
+        drawn (the kept ones would no longer be draws from ``q``), so a sampled tree spends its budget level by
+        level as it grows."""
+        return self.sequence.params.greedy and self.sequence.config.tree_width > 1
+
+    @property
+    def most_forwarded(self) -> int:
+        """At most how many nodes go through a draft forward: ``budget``, or a dynamic tree's frontiers."""
+        return max(self.budget, self.sequence.config.tree_width * self.levels) if self.dynamic else self.budget
+
+    @property
+    def growing(self) -> bool:
+        """Whether another level may be added (the depth limit aside)."""
+        return bool(self.frontier) and not self.stopped and (self.dynamic or len(self.tokens) < self.budget)
+
+    def select(self) -> list[int] | None:
+        """Keep the ``budget`` nodes of highest path probability (ties: the lower index) and return the old index
+        of each node kept, in order; None when every node stays. A child's path probability is its parent's times
+        its own rank (at most 1), and a parent's index is the lower, so the nodes kept are a tree: every ancestor of
+        a kept node is kept. A kept node's correction stays as it was drafted (only a guess for pre-drafting)."""
+        if len(self.tokens) <= self.budget:
+            return None
+        kept = sorted(sorted(range(len(self.tokens)), key=lambda node: -self.path_probs[node])[: self.budget])
+        new_index = {old: new for new, old in enumerate(kept)} | {ROOT: ROOT}
+        self.tokens = [self.tokens[old] for old in kept]
+        self.parents = [new_index[self.parents[old]] for old in kept]
+        self.path_probs = [self.path_probs[old] for old in kept]
+        if self.rows:
+            self.rows = [self.rows[old] for old in kept]
+        self.corrections = {new_index[node]: guess for node, guess in self.corrections.items() if node in new_index}
+        self.frontier = []
+        return kept
+
     def outstanding_fields(self) -> tuple[tuple[int, ...], tuple[Rejection, ...]]:
         """The finished tree's assumed path and the rejection verdicts a pre-draft after it prepares for."""
         tree = self.tree
@@ -124,9 +164,7 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
             drafts.append(TreeDraft(sequence, min(budget, sequence.config.max_nodes), levels))
         for depth in range(max((draft.levels for draft in drafts), default=0)):
             mark_stopped(drafts, handles, stop)
-            growing = [
-                d for d in drafts if depth < d.levels and d.frontier and len(d.tokens) < d.budget and not d.stopped
-            ]
+            growing = [d for d in drafts if depth < d.levels and d.growing]
             if not growing:
                 break
             items = [ForwardItem(d.sequence.runner_seq, self._pending(d.sequence), d.tree) for d in growing]
@@ -138,8 +176,11 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
             if draft.stopped:
                 proposals.append(Proposal(TokenTree.empty(), None))
                 continue
+            kept = draft.select()
             assumed, rejections = draft.outstanding_fields()
-            draft.sequence.outstanding = _Drafted(draft.tree, assumed, rejections, draft.forwarded_nodes)
+            draft.sequence.outstanding = _Drafted(
+                draft.tree, assumed, rejections, draft.forwarded_nodes, None if kept is None else tuple(kept)
+            )
             proposals.append(draft_proposal(draft, assumed, rejections))
         return proposals
 
@@ -171,7 +212,8 @@ class ModelDrafter(SequenceDrafter[_Sequence]):
         if isinstance(drafted, _Drafted) and drafted.forwarded_nodes is not None and text[: len(old)] == old:
             # the text extends the one the proposal hangs off: keep the last forward's pending and accepted nodes
             path = match_path(drafted.tree, text[len(old) :]) if path is None else path
-            in_cache = [node for node in path if node < drafted.forwarded_nodes]  # ancestors first: a prefix
+            scratch = drafted.scratch_nodes or range(len(drafted.tree))
+            in_cache = [scratch[node] for node in path if scratch[node] < drafted.forwarded_nodes]  # a prefix
             self.runner.commit(seq, len(old) - self.runner.length(seq), in_cache)
             agree = len(text)  # the committed KV now holds a prefix of the new text
         else:
@@ -225,7 +267,9 @@ def grow_level(
     node budget goes where acceptance is likeliest; each level gets at most its share of the
     remaining budget (``room // levels_left``, at least one node), so the tree reaches the
     configured depth: width 2, depth 3, budget 6 gives two children at every level, under
-    the most probable node of the level above.
+    the most probable node of the level above. A dynamic tree (:attr:`TreeDraft.dynamic`) instead gives every
+    frontier node ``tree_width`` children and keeps the ``tree_width`` most probable of them as the next frontier;
+    its budget is spent afterwards, by :meth:`TreeDraft.select`.
     """
     sequence = draft.sequence
     config = sequence.config
@@ -242,7 +286,9 @@ def grow_level(
     new_frontier = []
     level_room = max(1, (draft.budget - len(draft.tokens)) // levels_left)
     for index, (node, row_logits, rank) in enumerate(zip(expand, node_logits, ranking, strict=True)):
-        count = min(config.tree_width, level_room, draft.budget - len(draft.tokens))
+        count = config.tree_width
+        if not draft.dynamic:
+            count = min(count, level_room, draft.budget - len(draft.tokens))
         if count <= 0:
             break
         q = rows[index] if rows is not None else None
@@ -263,6 +309,8 @@ def grow_level(
             draft.parents.append(node)
             draft.path_probs.append(path_prob(draft, node) * float(rank[column]))
             new_frontier.append(len(draft.tokens) - 1)
+    if draft.dynamic:  # the next level expands this level's most probable nodes
+        new_frontier = sorted(new_frontier, key=lambda node: -draft.path_probs[node])[: config.tree_width]
     draft.frontier = new_frontier
 
 
