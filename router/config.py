@@ -21,6 +21,7 @@ from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
 
 ENV_PREFIX = "SPECDEC_ROUTER_"
+MAX_TREE_WIDTH = 16  # children per tree node a request (or the server's default shape) may ask
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,10 @@ class RouterConfig:
     leases of the sequences it holds open on each worker (one Touch per worker); keep it well below the workers'
     ``--sequence-idle-timeout-s`` (default 120 s), after which a worker reclaims a sequence nobody named.
     ``worker_streams`` sends each worker's batches on one long-lived stream (:mod:`router.calls`); off, each batch
-    is a unary RPC.
+    is a unary RPC. ``num_draft_tokens``, ``tree_width`` and ``tree_budget`` are the candidate shape of a request
+    that names none (as SGLang's ``--speculative-num-steps``, ``--speculative-eagle-topk`` and
+    ``--speculative-num-draft-tokens`` are a server's): a chain of 4 by default; ``tree_budget`` 0 is ``tree_width``
+    nodes a level.
     """
 
     model: str
@@ -52,6 +56,8 @@ class RouterConfig:
     http_port: int = 8000
     default_drafter: str = ""
     num_draft_tokens: int = 4
+    tree_width: int = 1
+    tree_budget: int = 0
     max_draft_tokens: int = 32
     default_speculation: str = "auto"
     max_concurrent_requests: int = 64
@@ -94,6 +100,14 @@ class RouterConfig:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.num_draft_tokens > self.max_draft_tokens:
             raise InvalidArgumentError("num_draft_tokens", f"must be <= max_draft_tokens ({self.max_draft_tokens})")
+        if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise InvalidArgumentError("tree_width", f"must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
+        if not 0 <= self.tree_budget <= self.tree_width * self.num_draft_tokens:
+            raise InvalidArgumentError(
+                "tree_budget",
+                f"must be in [0, tree_width × num_draft_tokens = {self.tree_width * self.num_draft_tokens}], "
+                f"got {self.tree_budget}",
+            )
         for name in (
             "retry_after_s",
             "drafter_deadline_s",
@@ -140,6 +154,8 @@ class RouterConfig:
             http_port=args.http_port,
             default_drafter=args.default_drafter,
             num_draft_tokens=args.num_draft_tokens,
+            tree_width=args.tree_width,
+            tree_budget=args.tree_budget,
             max_draft_tokens=args.max_draft_tokens,
             default_speculation=args.default_speculation,
             max_concurrent_requests=args.max_concurrent_requests,
@@ -198,7 +214,15 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument(
         "--default-drafter", default=env("default_drafter"), help="drafter kind for requests naming none"
     )
-    parser.add_argument("--num-draft-tokens", type=int, default=env("num_draft_tokens"), help="default chain length γ")
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=env("num_draft_tokens"), help="default chain length γ (tree depth)"
+    )
+    parser.add_argument(
+        "--tree-width", type=int, default=env("tree_width"), help="default children per tree node (1: a chain)"
+    )
+    parser.add_argument(
+        "--tree-budget", type=int, default=env("tree_budget"), help="default tree nodes (0: tree width per level)"
+    )
     parser.add_argument(
         "--max-draft-tokens", type=int, default=env("max_draft_tokens"), help="largest γ a request may ask"
     )

@@ -20,14 +20,13 @@ from typing import Literal, cast
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from router.config import RouterConfig
+from router.config import MAX_TREE_WIDTH, RouterConfig
 from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
 from specdec.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 Mode = Literal["off", "sequential", "pipelined", "auto"]
 MODES: tuple[str, ...] = ("off", "sequential", "pipelined", "auto")
-MAX_TREE_WIDTH = 16
 MAX_STOP_STRINGS = 16
 UINT64 = 1 << 64
 INT32_MAX = (1 << 31) - 1  # the largest count or token id an int32 wire field carries
@@ -274,14 +273,20 @@ def _speculation(request: GenerateInput, config: RouterConfig, kinds: Collection
 
 
 def _shape(request: GenerateInput, config: RouterConfig) -> DraftShape:
+    """The request's candidate shape; what it leaves at 0 is the server's. A request that names no tree width takes
+    the server's width and budget (the budget capped at what its own depth holds); one that names a width, its own
+    budget (0: the width a level)."""
     gamma = request.num_draft_tokens or config.num_draft_tokens
     if not 1 <= gamma <= config.max_draft_tokens:
         raise InvalidArgumentError("num_draft_tokens", f"must be in [0, {config.max_draft_tokens}], got {gamma}")
     if not 0 <= request.tree_width <= MAX_TREE_WIDTH:
         raise InvalidArgumentError("tree_width", f"must be in [0, {MAX_TREE_WIDTH}], got {request.tree_width}")
-    width = max(request.tree_width, 1)
-    if not 0 <= request.tree_budget <= width * gamma:
+    if request.tree_width:
+        width, budget = request.tree_width, request.tree_budget
+    else:
+        width, budget = config.tree_width, request.tree_budget or min(config.tree_budget, config.tree_width * gamma)
+    if not 0 <= budget <= width * gamma:
         raise InvalidArgumentError(
-            "tree_budget", f"must be in [0, tree_width × num_draft_tokens = {width * gamma}], got {request.tree_budget}"
+            "tree_budget", f"must be in [0, tree_width × num_draft_tokens = {width * gamma}], got {budget}"
         )
-    return DraftShape(gamma, width, request.tree_budget)
+    return DraftShape(gamma, width, budget)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from router.config import RouterConfig
+from router.requests import DraftShape, GenerateInput, plan_request
 from specdec.errors import InvalidArgumentError
 
 
@@ -54,9 +55,37 @@ def test_environment_fallbacks_and_flags_win(tmp_path: Path) -> None:
         ({"bearer_token": ""}, "bearer_token"),
         ({"max_model_len": -1}, "max_model_len"),
         ({"default_speculation": "off"}, "default_speculation"),
+        ({"tree_width": 0}, "tree_width"),
+        ({"tree_width": 2, "tree_budget": 9}, "tree_budget"),
     ],
 )
 def test_validation_names_the_field(fields: dict, name: str) -> None:
     with pytest.raises(InvalidArgumentError) as raised:
         RouterConfig(**{"model": "m", "verifiers": ("v:1",), **fields})
     assert raised.value.field == name
+
+
+def test_tree_shape_flags() -> None:
+    config = RouterConfig.from_args(
+        ["--model", "m", "--verifier", "v:1", "--tree-width", "2", "--tree-budget", "5"], {}
+    )
+    assert (config.num_draft_tokens, config.tree_width, config.tree_budget) == (4, 2, 5)
+    environ = {"SPECDEC_ROUTER_TREE_WIDTH": "3", "SPECDEC_ROUTER_TREE_BUDGET": "4"}
+    config = RouterConfig.from_args(["--model", "m", "--verifier", "v:1"], environ)
+    assert (config.tree_width, config.tree_budget) == (3, 4)
+
+
+@pytest.mark.parametrize(
+    ("asked", "shape"),
+    [
+        ({}, DraftShape(3, 2, 4)),  # the server's shape
+        ({"num_draft_tokens": 1}, DraftShape(1, 2, 2)),  # the server's budget, capped at what depth 1 holds
+        ({"tree_budget": 6}, DraftShape(3, 2, 6)),  # the server's width, the request's budget
+        ({"tree_width": 1}, DraftShape(3, 1, 0)),  # a chain as deep as the server's trees
+        ({"tree_width": 3, "tree_budget": 5}, DraftShape(3, 3, 5)),
+        ({"tree_width": 3}, DraftShape(3, 3, 0)),  # a width of its own: its own budget (0: the width a level)
+    ],
+)
+def test_a_request_takes_the_servers_shape_where_it_names_none(asked: dict, shape: DraftShape) -> None:
+    config = RouterConfig(model="m", verifiers=("v:1",), num_draft_tokens=3, tree_width=2, tree_budget=4)
+    assert plan_request(GenerateInput(prompt_ids=(1, 2, 3), **asked), config, None, ()).shape == shape

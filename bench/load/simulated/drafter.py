@@ -64,8 +64,10 @@ def grow_tree(
 ) -> tuple[list[int], list[int]]:
     """Random distinct sibling tokens, level by level: each level gets at most its share of the remaining budget
     (``room // levels_left``, at least one), expanded first-frontier-node first, ``width`` children per node —
-    the shape :class:`specdec.drafters.model.ModelDrafter` grows. ``width == 1`` gives a chain of
-    ``min(depth, budget)``; ``(depth 3, width 2, budget 6)`` gives two children per level under the first node."""
+    the shape :class:`specdec.drafters.model.ModelDrafter` grows when sampling (a greedy tree's shape follows the
+    draft's confidence, :class:`~specdec.drafters.model.TreeDraft`; it holds as many nodes). ``width == 1`` gives a
+    chain of ``min(depth, budget)``; ``(depth 3, width 2, budget 6)`` gives two children per level under the first
+    node."""
     tokens: list[int] = []
     parents: list[int] = []
     frontier = [ROOT]
