@@ -5,9 +5,10 @@ first ``--num-prompts`` taking categories in turn) through the chat template; fl
 one uncounted warm-up request per configuration, configurations interleaved prompt by prompt (drifting machine
 load hits all alike). Sections (``--sections``, default all; ``budgets`` needs ``--budget-heads``):
 
-* ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and 8 and two trees (depth 3,
-  width 2, 4 nodes; depth 4, width 2, 8 nodes: each verifies as many positions as chain γ=4 / γ=8) of the head:
-  acceptance rate, acc@i, mean accepted length, draft and target-forward cost;
+* ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and 8 and three trees (depth 3,
+  width 2, 4 nodes; depth 4, width 2, 8 nodes; depth 6, width 3, 8 nodes: each verifies as many positions as chain
+  γ=4 / γ=8; greedy trees are dynamic, sampled ones spread over their levels: :class:`specdec.drafters.model.TreeDraft`)
+  of the head: acceptance rate, acc@i, mean accepted length, draft and target-forward cost;
 * ``agreement``: the head's teacher-forced agreement as served, one draft at every position of the target's greedy
   answers, beside the held-out agreement its training reported, and split by whether the previous position agreed
   (:mod:`bench.eagle_agreement`): whether serving computes what training measured, and why ``acc@1`` is lower;
@@ -70,10 +71,11 @@ SHAPES = {  # each tree beside the chain that verifies as many positions (chain 
     **{f"chain γ={gamma}": DraftConfig(num_draft_tokens=gamma) for gamma in (2, 3, 4, 5, 6, 8)},
     "tree d3 w2 b4": DraftConfig(num_draft_tokens=3, tree_width=2, tree_budget=4),
     "tree d4 w2 b8": DraftConfig(num_draft_tokens=4, tree_width=2, tree_budget=8),
+    "tree d6 w3 b8": DraftConfig(num_draft_tokens=6, tree_width=3, tree_budget=8),  # greedy: deeper where sure
 }
 BUDGET_SHAPE = "chain γ=4"
-INT8_SHAPES = ("chain γ=2", "chain γ=3", BUDGET_SHAPE, "tree d3 w2 b4")  # speed rows also run with an int8 head
-LOOKUP_SHAPES = (BUDGET_SHAPE, "tree d3 w2 b4")  # ... and with an int8 head and prompt lookup (the served default)
+INT8_SHAPES = ("chain γ=2", "chain γ=3", BUDGET_SHAPE, "tree d3 w2 b4", "tree d4 w2 b8")  # speed rows, int8 head
+LOOKUP_SHAPES = (BUDGET_SHAPE, "tree d3 w2 b4", "tree d4 w2 b8")  # ... int8 head + prompt lookup (served default)
 LOOKUP_MIN_MATCHES = (0, 3, 5)  # the lookup section: the head alone, then prompt lookup from these tail matches
 TRAINING_KEYS = ("features", "train_minutes", "data_minutes", "training_tokens", "tokens_seen")  # train-summary.json
 MAX_DEPTH = max(config.num_draft_tokens for config in SHAPES.values())
