@@ -86,6 +86,10 @@ class TreeDraft:
     corrections: dict[int, tuple[int, float]] = field(default_factory=dict)
     stopped: bool = False
 
+    def __post_init__(self) -> None:
+        if self.dynamic:  # ``budget`` nodes hold at most ``budget`` levels: drafting deeper would be thrown away
+            self.levels = min(self.levels, self.budget)
+
     @property
     def tree(self) -> TokenTree:
         return TokenTree(tuple(self.tokens), tuple(self.parents))
@@ -114,7 +118,8 @@ class TreeDraft:
         """Keep the ``budget`` nodes of highest path probability (ties: the lower index) and return the old index
         of each node kept, in order; None when every node stays. A child's path probability is its parent's times
         its own rank (at most 1), and a parent's index is the lower, so the nodes kept are a tree: every ancestor of
-        a kept node is kept. A kept node's correction stays as it was drafted (only a guess for pre-drafting)."""
+        a kept node is kept. A kept node's correction stays as it was drafted (only a guess for pre-drafting). Only a
+        dynamic tree outgrows its budget, and it is greedy: it has no rows to select."""
         if len(self.tokens) <= self.budget:
             return None
         kept = sorted(sorted(range(len(self.tokens)), key=lambda node: -self.path_probs[node])[: self.budget])
@@ -122,8 +127,6 @@ class TreeDraft:
         self.tokens = [self.tokens[old] for old in kept]
         self.parents = [new_index[self.parents[old]] for old in kept]
         self.path_probs = [self.path_probs[old] for old in kept]
-        if self.rows:
-            self.rows = [self.rows[old] for old in kept]
         self.corrections = {new_index[node]: guess for node, guess in self.corrections.items() if node in new_index}
         self.frontier = []
         return kept
