@@ -233,6 +233,33 @@ def test_a_greedy_tree_is_the_most_probable_nodes_of_a_dynamic_tree(target: Load
     )
 
 
+def test_a_dynamic_trees_rejection_guesses_are_its_likeliest_tokens_that_are_not_kept_children(
+    target: LoadedModel,
+) -> None:
+    """Multi-outcome pre-drafting on a dynamic tree: a rejection verdict it prepares for guesses that the target
+    emits the head's likeliest token that is not one of the node's children the budget kept (a dropped child, where
+    the node lost one: the budget of 4 keeps 4 of 10 candidates)."""
+    head = random_head(target)
+    features = true_features(target, TEXT)
+    n = 9
+    config = DraftConfig(num_draft_tokens=3, tree_width=2, tree_budget=4, predraft_outcomes=4)
+    drafter = EagleDrafter(head, config)
+    handle = drafter.open(TEXT[:n], GREEDY, make_generator(0))
+    drafter.add_features(handle, 0, features[: n - 1])
+    (proposal,) = drafter.propose([handle], [4])
+    tree, lost_a_child = proposal.tree, 0
+    assert proposal.rejections
+    for rejection in proposal.rejections:
+        node = rejection.accepted_path[-1] if rejection.accepted_path else -1
+        path = [tree.tokens[i] for i in rejection.accepted_path]
+        probs = _head_on_path(head, features, n, path)
+        children = [tree.tokens[child] for child in tree.children(node)]
+        probs[children] = 0
+        assert rejection.emitted == (*path, int(probs.argmax()))
+        lost_a_child += len(children) < config.tree_width
+    assert lost_a_child
+
+
 def test_rows_of_a_verdict_on_another_leaf_than_the_assumed_one_are_kept(target: LoadedModel) -> None:
     """A pipelined tree: the drafter assumed one leaf's path, the verdict accepted another leaf's (bonus deferred).
     Its rows, given before the Commit, cover the other branch; they stay, and the next verdict's rows continue them."""

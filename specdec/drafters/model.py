@@ -118,16 +118,25 @@ class TreeDraft:
         """Keep the ``budget`` nodes of highest path probability (ties: the lower index) and return the old index
         of each node kept, in order; None when every node stays. A child's path probability is its parent's times
         its own rank (at most 1), and a parent's index is the lower, so the nodes kept are a tree: every ancestor of
-        a kept node is kept. A kept node's correction stays as it was drafted (only a guess for pre-drafting). Only a
-        dynamic tree outgrows its budget, and it is greedy: it has no rows to select."""
+        a kept node is kept. A kept node's correction (pre-drafting's guess of what the target emits when it rejects
+        every child) becomes its most probable dropped child, where it lost one: the draft's likeliest token that is
+        not a child now. Only a dynamic tree outgrows its budget, and it is greedy: it has no rows to select."""
         if len(self.tokens) <= self.budget:
             return None
         kept = sorted(sorted(range(len(self.tokens)), key=lambda node: -self.path_probs[node])[: self.budget])
         new_index = {old: new for new, old in enumerate(kept)} | {ROOT: ROOT}
+        corrections = dict(self.corrections)
+        for old, parent in enumerate(self.parents):
+            reach = path_prob(self, parent)
+            if old in new_index or parent not in new_index or parent not in corrections or reach <= 0:
+                continue
+            rank = self.path_probs[old] / reach
+            if rank > corrections[parent][1]:
+                corrections[parent] = (self.tokens[old], rank)
         self.tokens = [self.tokens[old] for old in kept]
         self.parents = [new_index[self.parents[old]] for old in kept]
         self.path_probs = [self.path_probs[old] for old in kept]
-        self.corrections = {new_index[node]: guess for node, guess in self.corrections.items() if node in new_index}
+        self.corrections = {new_index[node]: guess for node, guess in corrections.items() if node in new_index}
         self.frontier = []
         return kept
 
