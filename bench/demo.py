@@ -44,9 +44,10 @@ UP_ARGS = [
     "--verifier-arg=--torch-threads=1",
     "--drafter-arg=--torch-threads=1",  # the eagle head's draft layers run over int8 weights (the default, auto)
 ]  # fmt: skip
-# A greedy tree is dynamic (4 of the nodes drafted 3 levels deep, expanding the 2 likeliest a level): on this CPU
-# 1.73x target-only against 1.54x for the chain of 4 co-located (bench/results/eagle-dynamic-trees.md).
-TREE = {"num_draft_tokens": 3, "tree_width": 2, "tree_budget": 4}
+# A greedy tree is dynamic (the 4 likeliest of the nodes drafted 3 levels deep, 3 children under each of the 3
+# likeliest nodes a level): co-located here 1.66x target-only in two runs against 1.46-1.55x for the chain of 4 and
+# 1.56-1.62x with 2 children (bench/results/eagle-dynamic-trees.md, eagle-tree-shapes.md).
+TREE = {"num_draft_tokens": 3, "tree_width": 3, "tree_budget": 4}
 CONFIGS = {  # name -> SDK options
     "speculation off": {"speculation": "off"},
     "eagle, auto": {"speculation": "auto", "drafter": "eagle"},

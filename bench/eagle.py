@@ -5,10 +5,11 @@ first ``--num-prompts`` taking categories in turn) through the chat template; fl
 one uncounted warm-up request per configuration, configurations interleaved prompt by prompt (drifting machine
 load hits all alike). Sections (``--sections``, default all; ``budgets`` needs ``--budget-heads``):
 
-* ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and 8 and three trees (depth 3,
-  width 2, 4 nodes; depth 4, width 2, 8 nodes; depth 6, width 3, 8 nodes: each verifies as many positions as chain
-  γ=4 / γ=8; greedy trees are dynamic, sampled ones spread over their levels: :class:`specdec.drafters.model.TreeDraft`)
-  of the head: acceptance rate, acc@i, mean accepted length, draft and target-forward cost;
+* ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and 8 and four trees (depth 3,
+  width 2 or 3, 4 nodes; depth 4, width 2, 8 nodes; depth 6, width 3, 8 nodes: each verifies as many positions as
+  chain γ=4 / γ=8; greedy trees are dynamic, sampled ones spread over their levels:
+  :class:`specdec.drafters.model.TreeDraft`) of the head: acceptance rate, acc@i, mean accepted length, draft and
+  target-forward cost;
 * ``agreement``: the head's teacher-forced agreement as served, one draft at every position of the target's greedy
   answers, beside the held-out agreement its training reported, and split by whether the previous position agreed
   (:mod:`bench.eagle_agreement`): whether serving computes what training measured, and why ``acc@1`` is lower;
@@ -17,6 +18,8 @@ load hits all alike). Sections (``--sections``, default all; ``budgets`` needs `
   float32), the :data:`INT8_SHAPES` with its draft layers over int8 weights (``--draft-quantization int8``) and the
   :data:`LOOKUP_SHAPES` with int8 and prompt lookup (the eagle drafter's default; every other eagle row runs the head
   alone); then target-only vs eagle γ=4 (float32, int8, int8 + lookup) at temperature 0.7;
+* ``trees``: greedy, the head as served (int8 draft layers, prompt lookup): chains γ = 3, 4 and 8 beside the dynamic
+  trees of 4 nodes (depth 3, width 2 and 3) and of 8 (depth 4, width 2), and target-only;
 * ``lookup``: per category, greedy and temperature 0.7, target-only against the int8 head at γ = 4 alone and with
   prompt lookup from each of :data:`LOOKUP_MIN_MATCHES` (the tail match that makes a round a lookup chain);
 * ``budgets``: each head of ``--budget-heads`` (e.g. ``specdec distill --snapshot-minutes`` copies) at γ = 4,
@@ -63,7 +66,7 @@ from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 from specdec.verification import VerifyOutcome
 
-SECTIONS = ("acceptance", "agreement", "speed", "lookup", "budgets")
+SECTIONS = ("acceptance", "agreement", "speed", "trees", "lookup", "budgets")
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.7)
 SAMPLINGS = {"greedy": GREEDY, "T=0.7": SAMPLED}
@@ -72,10 +75,12 @@ SHAPES = {  # each tree beside the chain that verifies as many positions (chain 
     "tree d3 w2 b4": DraftConfig(num_draft_tokens=3, tree_width=2, tree_budget=4),
     "tree d4 w2 b8": DraftConfig(num_draft_tokens=4, tree_width=2, tree_budget=8),
     "tree d6 w3 b8": DraftConfig(num_draft_tokens=6, tree_width=3, tree_budget=8),  # greedy: deeper where sure
+    "tree d3 w3 b4": DraftConfig(num_draft_tokens=3, tree_width=3, tree_budget=4),
 }
 BUDGET_SHAPE = "chain γ=4"
 INT8_SHAPES = ("chain γ=2", "chain γ=3", BUDGET_SHAPE, "tree d3 w2 b4", "tree d4 w2 b8")  # speed rows, int8 head
 LOOKUP_SHAPES = (BUDGET_SHAPE, "tree d3 w2 b4", "tree d4 w2 b8")  # ... int8 head + prompt lookup (served default)
+TREE_SHAPES = ("chain γ=3", BUDGET_SHAPE, "chain γ=8", "tree d3 w2 b4", "tree d3 w3 b4", "tree d4 w2 b8")  # trees
 LOOKUP_MIN_MATCHES = (0, 3, 5)  # the lookup section: the head alone, then prompt lookup from these tail matches
 TRAINING_KEYS = ("features", "train_minutes", "data_minutes", "training_tokens", "tokens_seen")  # train-summary.json
 MAX_DEPTH = max(config.num_draft_tokens for config in SHAPES.values())
@@ -389,6 +394,20 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
     return rows + _speed_rows(compare(sampled, token_ids), "T=0.7")
 
 
+def trees_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
+    """Greedy, the head as served (int8 draft layers, prompt lookup): the :data:`TREE_SHAPES` chains and dynamic
+    trees, each tree beside the chain that verifies as many positions, and target-only."""
+    drafters = eagle_drafters(
+        target, settings.draft_model, TREE_SHAPES, quantization="int8", lookup_min_match=DEFAULT_LOOKUP_MIN_MATCH
+    )
+
+    def generator(drafter: Drafter | None) -> Generate:
+        return engine_generator(Engine(KVRunner(target.model), target.eos_token_ids, drafter), settings.max_tokens)
+
+    configs = {"target-only": generator(None), **{f"eagle {shape}": generator(d) for shape, d in drafters.items()}}
+    return _speed_rows(compare(configs, [prompt.token_ids for prompt in prompts]), "greedy")
+
+
 def head_directory(target: str, draft_model: str | None) -> Path:
     """The head's directory: ``draft_model``, or the head cached for ``target``."""
     return Path(draft_model).expanduser() if draft_model else default_head_dir(target)
@@ -463,6 +482,7 @@ SECTION_RUNS: dict[str, SectionRun] = {
     "acceptance": acceptance_section,
     "agreement": agreement_section,
     "speed": speed_section,
+    "trees": trees_section,
     "lookup": lookup_section,
     "budgets": budgets_section,
 }
@@ -671,6 +691,10 @@ def markdown(payload: dict[str, Any]) -> str:
         "acceptance": ("Acceptance (co-located, held-out prompts)", _acceptance_table),
         "agreement": ("Teacher-forced agreement as served (greedy answers, depth 1)", _agreement_table),
         "speed": ("Speed (greedy, batch 1, configurations interleaved prompt by prompt)", _speed_table),
+        "trees": (
+            "Chains and dynamic trees as served (int8 head + prompt lookup, greedy, batch 1, interleaved)",
+            _speed_table,
+        ),
         "lookup": ("Prompt lookup in the eagle drafter (int8 head, γ = 4, batch 1, interleaved)", _lookup_table),
         "budgets": ("Training budget → held-out mean accepted length (γ = 4, greedy)", _budget_table),
     }

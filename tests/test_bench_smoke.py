@@ -206,6 +206,27 @@ def test_eagle_lookup_section_on_a_tiny_model(tmp_path: Path) -> None:
     assert "| greedy | lookup ≥ 5 |" in (tmp_path / "out" / "eagle.md").read_text()
 
 
+def test_eagle_trees_section_on_a_tiny_model(tmp_path: Path) -> None:
+    """Target-only and each of the chains and dynamic trees, greedy as served: every row gives target-only's tokens."""
+    import torch
+
+    from bench.eagle import TREE_SHAPES, Prompt, Settings, describe, run_sections
+    from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+    from tests.tiny_models import tiny_llama
+
+    target = tiny_llama(seed=3, vocab_size=32, num_layers=2)
+    head = tmp_path / "head"
+    save_head(EagleHead.from_target(target.model, torch.arange(32)), head, HeadInfo(target.name, 4))
+    prompts = [Prompt("copy", "a", [3, 4, 5, 6, 7, 8] * 2), Prompt("plain", "b", [9, 1, 2, 11, 13, 17])]
+    meta = describe(target.name, str(head), prompts, 8, "python -m bench.eagle --sections trees")
+    run_sections(target, prompts, ["trees"], Settings(8, str(head)), meta, tmp_path / "out" / "eagle")
+
+    rows = json.loads((tmp_path / "out" / "eagle.json").read_text())["trees"]["rows"]
+    assert [row["name"] for row in rows] == ["target-only", *(f"eagle {shape}" for shape in TREE_SHAPES)]
+    assert all(row["same_as_target_only"] == 2 and row["speedup"] > 0 for row in rows)
+    assert "| greedy | eagle tree d3 w3 b4 |" in (tmp_path / "out" / "eagle.md").read_text()
+
+
 @pytest.mark.parametrize("feature_layers", [(), (0, 1)], ids=["final-norm", "fused"])
 def test_eagle_agreement_section_serves_what_training_learnt(tmp_path: Path, feature_layers: tuple[int, ...]) -> None:
     """A head trained on the target's greedy answers to these very prompts agrees on most of their positions when
