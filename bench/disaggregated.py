@@ -243,6 +243,14 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _shape(meta: dict) -> str:
+    """``γ = 4``, or ``tree depth 3, width 3, 4 nodes`` (results written before trees were measured: a chain)."""
+    width, budget = meta.get("tree_width", 1), meta.get("tree_budget", 0)
+    if width <= 1:
+        return f"γ = {meta['num_draft_tokens']}"
+    return f"tree depth {meta['num_draft_tokens']}, width {width}, {budget or width * meta['num_draft_tokens']} nodes"
+
+
 def markdown(summaries: Sequence[Summary], meta: dict) -> str:
     """The report: header with hardware and versions, one table row per run, the definitions."""
     baseline = {s.streams: s for s in summaries if (s.side, s.mode) == REFERENCE[:2]}
@@ -258,7 +266,7 @@ def markdown(summaries: Sequence[Summary], meta: dict) -> str:
         + (f" ({meta['gpu']})" if meta.get("gpu") else "")
         + ".",
         "",
-        f"Greedy, float32, EOS honoured, max {meta['max_tokens']} new tokens, γ = {meta['num_draft_tokens']}, "
+        f"Greedy, float32, EOS honoured, max {meta['max_tokens']} new tokens, {_shape(meta)}, "
         f"{meta['num_prompts']} chat-templated prompts ({', '.join(meta['categories'])}), "
         f"{', '.join(str(n) for n in meta['streams'])} concurrent stream(s). Torch threads: co-located engine "
         f"{meta['threads']['colocated']}, verifier {meta['threads']['verifier']}, drafter "
@@ -342,17 +350,17 @@ def sdk_record(client, index: int, prompt_ids: list[int], options: dict) -> Requ
 class Bench:
     """Holds the co-located engines and the SDK clients; runs one configuration at a time."""
 
-    def __init__(self, engines: dict, clients: list, max_tokens: int, num_draft_tokens: int, drafter: str) -> None:
+    def __init__(self, engines: dict, clients: list, max_tokens: int, shape: dict[str, int], drafter: str) -> None:
         self.engines = engines  # mode -> Engine ("off": target-only, "sequential": the drafter)
         self.clients = clients  # one per concurrent stream
         self.max_tokens = max_tokens
-        self.num_draft_tokens = num_draft_tokens
+        self.shape = shape  # num_draft_tokens, tree_width, tree_budget: the requests' candidate shape
         self.drafter = drafter
 
     def options(self, mode: str) -> dict:
         options = {"max_tokens": self.max_tokens, "temperature": 0.0, "speculation": mode, "ignore_eos": False}
         if mode != "off":
-            options |= {"drafter": self.drafter, "num_draft_tokens": self.num_draft_tokens}
+            options |= {"drafter": self.drafter, **self.shape}
         return options
 
     def colocated(self, mode: str, batch: Sequence[tuple[int, list[int]]]) -> list[RequestRecord]:
@@ -445,7 +453,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, help="first N prompts, categories in turn (default: all)")
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="γ, the chain length")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="γ, the chain length (a tree's depth)")
+    parser.add_argument("--tree-width", type=int, default=1, help="children per node (1: a chain)")
+    parser.add_argument("--tree-budget", type=int, default=0, help="a tree's nodes (0: the width a level)")
     parser.add_argument("--drafter-kind", choices=("ngram", "eagle"), default="ngram", help="the drafter compared")
     parser.add_argument("--draft-model", help="eagle: the head directory (default: the head cached for --target)")
     parser.add_argument("--streams", default="1,8", help="comma-separated load levels (concurrent streams)")
@@ -484,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     quiet_model_loading()
     load_before = _load()
     started = time.perf_counter()
+    shape = {"num_draft_tokens": args.num_draft_tokens, "tree_width": args.tree_width, "tree_budget": args.tree_budget}
     with Services(args.log_dir) as services:
         gamma = ["--num-draft-tokens", str(args.num_draft_tokens)]
         on_device = ["--device", args.device]
@@ -508,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
                 build_drafter(
                     args.drafter_kind,
                     target,
-                    DraftConfig(num_draft_tokens=args.num_draft_tokens),
+                    DraftConfig(**shape),
                     draft_model=args.draft_model,
                 ),
             ),
@@ -520,7 +531,7 @@ def main(argv: list[str] | None = None) -> None:
 
         clients = [Client(router.ready["grpc"], timeout_s=600) for _ in range(max(levels))]
         try:
-            bench = Bench(engines, clients, args.max_tokens, args.num_draft_tokens, args.drafter_kind)
+            bench = Bench(engines, clients, args.max_tokens, shape, args.drafter_kind)
             bench.warm_up(prompts)
             runs: list[Run] = []
             for streams in levels:
@@ -549,6 +560,8 @@ def main(argv: list[str] | None = None) -> None:
         "grpcio": grpc.__version__,
         "max_tokens": args.max_tokens,
         "num_draft_tokens": args.num_draft_tokens,
+        "tree_width": args.tree_width,
+        "tree_budget": args.tree_budget,
         "num_prompts": len(prompts),
         "categories": sorted({row["category"] for _, row in rows}),
         "streams": levels,

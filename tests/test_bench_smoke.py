@@ -135,6 +135,9 @@ def test_report_rows_and_verdict() -> None:
     assert "every configuration: **NO**" in report
     assert "overhead ms/round** = wall ms/round − exposed draft" in report
     assert report.count("\n| 1 |") == 2
+    assert f"γ = {META['num_draft_tokens']}," in report
+    tree = {**META, "num_draft_tokens": 3, "tree_width": 3, "tree_budget": 4}
+    assert "tree depth 3, width 3, 4 nodes," in markdown([summarize(run, reference) for run in runs], tree)
 
 
 def test_eagle_acceptance_section_on_a_tiny_model(tmp_path: Path) -> None:
