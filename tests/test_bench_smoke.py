@@ -183,20 +183,9 @@ def test_eagle_acceptance_section_on_a_tiny_model(tmp_path: Path) -> None:
 def test_eagle_lookup_section_on_a_tiny_model(tmp_path: Path) -> None:
     """Target-only, the head alone and each lookup threshold, greedy and T = 0.7, with each category's tokens per
     round and speed-up; a prompt repeating itself is drafted from its first round on by lookup only."""
-    import torch
+    from bench.eagle import LOOKUP_MIN_MATCHES, SAMPLINGS
 
-    from bench.eagle import LOOKUP_MIN_MATCHES, SAMPLINGS, Prompt, Settings, describe, run_sections
-    from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
-    from tests.tiny_models import tiny_llama
-
-    target = tiny_llama(seed=3, vocab_size=32, num_layers=2)
-    head = tmp_path / "head"
-    save_head(EagleHead.from_target(target.model, torch.arange(32)), head, HeadInfo(target.name, 4))
-    prompts = [Prompt("copy", "a", [3, 4, 5, 6, 7, 8] * 2), Prompt("plain", "b", [9, 1, 2, 11, 13, 17])]
-    meta = describe(target.name, str(head), prompts, 8, "python -m bench.eagle --sections lookup")
-    run_sections(target, prompts, ["lookup"], Settings(8, str(head)), meta, tmp_path / "out" / "eagle")
-
-    rows = json.loads((tmp_path / "out" / "eagle.json").read_text())["lookup"]["rows"]
+    rows, report = _tiny_eagle_section(tmp_path, "lookup")
     names = ["target-only", *(f"lookup ≥ {m}" if m else "head alone" for m in LOOKUP_MIN_MATCHES)]
     assert [(r["sampling"], r["config"]) for r in rows] == [(s, n) for s in SAMPLINGS for n in names]
     for row in rows:
@@ -206,14 +195,25 @@ def test_eagle_lookup_section_on_a_tiny_model(tmp_path: Path) -> None:
     by_name = {(r["sampling"], r["config"]): r for r in rows}
     # every request's first round: nothing to draft from for the head, a whole chain by lookup on the copy prompt
     assert by_name["greedy", "lookup ≥ 5"]["drafted_rounds"] > by_name["greedy", "head alone"]["drafted_rounds"]
-    assert "| greedy | lookup ≥ 5 |" in (tmp_path / "out" / "eagle.md").read_text()
+    assert "| greedy | lookup ≥ 5 |" in report
 
 
 def test_eagle_trees_section_on_a_tiny_model(tmp_path: Path) -> None:
     """Target-only and each of the chains and dynamic trees, greedy as served: every row gives target-only's tokens."""
+    from bench.eagle import TREE_SHAPES
+
+    rows, report = _tiny_eagle_section(tmp_path, "trees")
+    assert [row["name"] for row in rows] == ["target-only", *(f"eagle {shape}" for shape in TREE_SHAPES)]
+    assert all(row["same_as_target_only"] == 2 and row["speedup"] > 0 for row in rows)
+    assert "| greedy | eagle tree d3 w3 b4 |" in report
+
+
+def _tiny_eagle_section(tmp_path: Path, section: str) -> tuple[list[dict], str]:
+    """One ``bench.eagle`` section on a tiny target and its untrained head, over a prompt that repeats itself and
+    one that does not (8 new tokens): the section's rows and the markdown report."""
     import torch
 
-    from bench.eagle import TREE_SHAPES, Prompt, Settings, describe, run_sections
+    from bench.eagle import Prompt, Settings, describe, run_sections
     from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
     from tests.tiny_models import tiny_llama
 
@@ -221,13 +221,10 @@ def test_eagle_trees_section_on_a_tiny_model(tmp_path: Path) -> None:
     head = tmp_path / "head"
     save_head(EagleHead.from_target(target.model, torch.arange(32)), head, HeadInfo(target.name, 4))
     prompts = [Prompt("copy", "a", [3, 4, 5, 6, 7, 8] * 2), Prompt("plain", "b", [9, 1, 2, 11, 13, 17])]
-    meta = describe(target.name, str(head), prompts, 8, "python -m bench.eagle --sections trees")
-    run_sections(target, prompts, ["trees"], Settings(8, str(head)), meta, tmp_path / "out" / "eagle")
-
-    rows = json.loads((tmp_path / "out" / "eagle.json").read_text())["trees"]["rows"]
-    assert [row["name"] for row in rows] == ["target-only", *(f"eagle {shape}" for shape in TREE_SHAPES)]
-    assert all(row["same_as_target_only"] == 2 and row["speedup"] > 0 for row in rows)
-    assert "| greedy | eagle tree d3 w3 b4 |" in (tmp_path / "out" / "eagle.md").read_text()
+    meta = describe(target.name, str(head), prompts, 8, f"python -m bench.eagle --sections {section}")
+    run_sections(target, prompts, [section], Settings(8, str(head)), meta, tmp_path / "out" / "eagle")
+    rows = json.loads((tmp_path / "out" / "eagle.json").read_text())[section]["rows"]
+    return rows, (tmp_path / "out" / "eagle.md").read_text()
 
 
 @pytest.mark.parametrize("feature_layers", [(), (0, 1)], ids=["final-norm", "fused"])
