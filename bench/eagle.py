@@ -211,6 +211,11 @@ def recording_engine(target: LoadedModel, drafter: Drafter | None) -> RecordingE
     return RecordingEngine(KVRunner(target.model), target.eos_token_ids, drafter)
 
 
+def timed_engine(target: LoadedModel, drafter: Drafter | None, pack_weights: bool | None = None) -> Engine:
+    """A plain engine (no per-round records) for the sections that time configurations against each other."""
+    return Engine(KVRunner(target.model, pack_weights=pack_weights), target.eos_token_ids, drafter)
+
+
 def eagle_drafters(
     target: LoadedModel,
     draft_model: str | None,
@@ -348,7 +353,7 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
     drafters = eagle_drafters(target, settings.draft_model)
 
     def engine(drafter: Drafter | None, pack_weights: bool | None = None) -> Engine:
-        return Engine(KVRunner(target.model, pack_weights=pack_weights), target.eos_token_ids, drafter)
+        return timed_engine(target, drafter, pack_weights)
 
     ngram = build_drafter("ngram", target, DraftConfig(num_draft_tokens=4))
     bfloat16_head = build_drafter(
@@ -402,7 +407,7 @@ def trees_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
     )
 
     def generator(drafter: Drafter | None) -> Generate:
-        return engine_generator(Engine(KVRunner(target.model), target.eos_token_ids, drafter), settings.max_tokens)
+        return engine_generator(timed_engine(target, drafter), settings.max_tokens)
 
     configs = {"target-only": generator(None), **{f"eagle {shape}": generator(d) for shape, d in drafters.items()}}
     return _speed_rows(compare(configs, [prompt.token_ids for prompt in prompts]), "greedy")
