@@ -270,6 +270,12 @@ class AcceptanceTracker:
         self._tried = [count * self._decay for count in self._tried]
         self._accepted = [count * self._decay for count in self._accepted]
 
+    def idle(self) -> None:
+        """A round of this estimate's request that drafted nothing of its kind: the evidence fades, one more idle
+        round counts towards the next probe."""
+        self.fade()
+        self.idle_rounds += 1
+
     def rates(self) -> list[float]:
         """α_1..α_max: the estimated acceptance rate of each position given the ones before it.
 
@@ -372,8 +378,7 @@ class SpeculationController:
         draft ran no model (prompt lookup)."""
         self.tokens_per_round.add(accepted + 1)
         if proposed == 0:
-            tracker.fade()
-            tracker.idle_rounds += 1
+            tracker.idle()
             return
         probed = tracker.idle_rounds >= self.probe_wait(tracker)  # a draft after that long idle is a probe
         tracker.idle_rounds = 0
@@ -506,6 +511,5 @@ class SpeculationController:
             if tracker.idle_rounds >= self.probe_wait(tracker):
                 lengths[index] = 1  # (and the population prior new requests start from) can only move on evidence
             elif candidate.model_free:  # no verdict will tell this lookup estimate of the round: it fades here
-                tracker.fade()
-                tracker.idle_rounds += 1
+                tracker.idle()
         return lengths
