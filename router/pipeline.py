@@ -77,7 +77,7 @@ from specdec.adaptive import Candidate, SpeculationController, rows_per_level
 from specdec.lookup import LookupIndex
 from specdec.sampling_params import SamplingParams, TopLogprobs
 from specdec.stats import AcceptanceCounts
-from specdec.tree import TokenTree
+from specdec.tree import TokenTree, grown_dynamically
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -366,6 +366,8 @@ class Session:
         self._background = background if background is not None else set()
         self._controller = controller if plan.mode == "auto" else None
         self._tracker = self._controller.tracker() if self._controller is not None else None
+        if self._tracker is not None and grown_dynamically(plan.shape.tree_width, plan.sampling.greedy):
+            self._tracker.ranks = self._controller.rank_tracker()  # its trees are priced, and cut, node by node
         self._last_forward: tuple[int, int] = (0, 1)  # (positions, sequences) of the last verdict's forward
         self._last_size = 0  # nodes this request put into it
         self._planned_budget: int | None = None  # auto: the next round's draft budget, chosen a round early
@@ -649,10 +651,11 @@ class Session:
         return budget
 
     def _auto_budget(self, budget: int, assumed: Sequence[int] = ()) -> int:
-        """The controller's node budget this round: a chain of its chosen length, or the whole tree or nothing; the
-        rest of the last forward (other sequences) is the load this one shares. A round the drafter will propose a
-        prompt-lookup chain in (on its text: the committed text, and for a pre-draft the ``assumed`` path too) is
-        planned as one, with the request's own estimate of such chains and no draft level to pay."""
+        """The controller's node budget this round: a chain of its chosen length, a greedy (dynamic) tree's best
+        nodes by rank, or another tree whole or nothing; the rest of the last forward (other sequences) is the load
+        this one shares. A round the drafter will propose a prompt-lookup chain in (on its text: the committed text,
+        and for a pre-draft the ``assumed`` path too) is planned as one, with the request's own estimate of such
+        chains and no draft level to pay."""
         assert self._controller is not None and self._tracker is not None
         shape = self.plan.shape
         nodes = min(budget, shape.tree_budget or shape.tree_width * shape.num_draft_tokens)
@@ -804,7 +807,14 @@ class Session:
         verified = record.verified
         # read before the verdict resets them: the last round drafted too, and with a model
         drafted_before, caught_up = self._tracker.idle_rounds == 0, self._tracker.caught_up
-        self._controller.observe_verdict(self._tracker, depth, len(verified.accepted_path), model_free=model_free)
+        self._controller.observe_verdict(
+            self._tracker,
+            depth,
+            len(verified.accepted_path),
+            model_free=model_free,
+            nodes=record.draft_size,
+            accepted_nodes=verified.accepted_path,
+        )
         if verified.forward_positions > 0:
             if self.stats.rounds > 1:  # the first verdict's forward holds this request's own prompt
                 self._last_forward = (verified.forward_positions, verified.batch_size)

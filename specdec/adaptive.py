@@ -2,7 +2,9 @@
 
 A chain of length γ whose positions are accepted with conditional rates α_1..α_γ (position i is accepted given that
 1..i-1 were) commits ``E(γ) = 1 + Σ_{k=1..γ} Π_{i≤k} α_i`` tokens per round in expectation: the round's last token
-is always the target's. Verifying a batch whose requests draft γ_r takes about
+is always the target's. A greedy (dynamic) tree of b nodes commits ``1 + Σ_{r≤b} p_r``, ``p_r`` the acceptance of its
+r-th most probable node (:class:`RankTracker`), so its budget is chosen node by node like a chain's length.
+Verifying a batch whose requests draft γ_r takes about
 
     T = overhead_s + [draft_call_s + draft_level_s(R) · max_r γ_r] + forward_s(Σ_r (1 + γ_r))
 
@@ -247,6 +249,7 @@ class AcceptanceTracker:
         self.failed_probes = 0  # probes in a row that accepted nothing
         self.last_draft_model_free = False  # the last draft ran no model (prompt lookup)
         self.lookup: AcceptanceTracker | None = None  # its prompt-lookup chains, kept apart (module docstring)
+        self.ranks: RankTracker | None = None  # its dynamic trees' nodes by rank, where it drafts them
 
     @property
     def max_length(self) -> int:
@@ -274,6 +277,8 @@ class AcceptanceTracker:
         """A round of this estimate's request that drafted nothing of its kind: the evidence fades, one more idle
         round counts towards the next probe."""
         self.fade()
+        if self.ranks is not None:
+            self.ranks.fade()
         self.idle_rounds += 1
 
     def rates(self) -> list[float]:
@@ -302,30 +307,93 @@ class AcceptanceTracker:
         return 1 + sum(self.gains(length))
 
 
+class RankTracker:
+    """One request's acceptance of its dynamic trees' nodes by rank: ``p_r``, how often the tree's r-th most probable
+    node is accepted (:meth:`specdec.drafters.model.TreeDraft.select` numbers a dynamic tree's nodes so).
+
+    A dynamic tree's candidates do not depend on its budget, so the tree of budget b is the first b nodes of any
+    larger one and commits ``E(b) = 1 + Σ_{r≤b} p_r`` tokens in expectation: the controller prices it node by node,
+    as it prices a chain position by position, and picks its budget every round instead of sending the whole tree
+    or nothing. Rank r was *tried* in a round whose tree had more than r nodes, and accepted when the verdict's path
+    holds it; ``p_r = (accepted_r + w · prior_r) / (tried_r + w)``, the counts decayed at every observation as
+    :class:`AcceptanceTracker`'s. These are marginal rates (a chain's are conditional). The ranks follow the draft's
+    own path probability, which acceptance follows where the draft is calibrated, so the estimate is made
+    non-increasing in rank (a running minimum): noise cannot make a later node look better than an earlier one, and
+    the controller's best-gain-first order takes a prefix of the ranks. A rank past the prior's end starts from the
+    prior's last rate.
+    """
+
+    def __init__(self, prior: Sequence[float], *, prior_weight: float = 2.0, decay: float = 0.95) -> None:
+        self.prior = list(prior)
+        self._weight = prior_weight
+        self._decay = decay
+        self._tried = [0.0] * len(self.prior)
+        self._accepted = [0.0] * len(self.prior)
+
+    def observe(self, nodes: int, accepted: Sequence[int]) -> None:
+        """A round whose tree had ``nodes`` nodes, of which the verdict accepted the ``accepted`` ones (a path)."""
+        self.fade()
+        self._extend(nodes)
+        for rank in range(nodes):
+            self._tried[rank] += 1
+        for rank in accepted:
+            self._accepted[rank] += 1
+
+    def fade(self) -> None:
+        """Decay the evidence."""
+        self._tried = [count * self._decay for count in self._tried]
+        self._accepted = [count * self._decay for count in self._accepted]
+
+    def rates(self) -> list[float]:
+        """``p_1..p_n`` over every rank with a prior or an observation, non-increasing."""
+        w, rates, ceiling = self._weight, [], 1.0
+        for accepted, tried, prior in zip(self._accepted, self._tried, self.prior, strict=True):
+            ceiling = min(ceiling, (accepted + w * prior) / (tried + w))
+            rates.append(ceiling)
+        return rates
+
+    def gains(self, nodes: int) -> list[float]:
+        """What each of the first ``nodes`` ranks adds to the expected committed tokens: ``p_r``."""
+        self._extend(nodes)
+        return self.rates()[:nodes]
+
+    def _extend(self, nodes: int) -> None:
+        missing = nodes - len(self.prior)
+        if missing > 0 and self.prior:
+            self.prior += [self.prior[-1]] * missing
+            self._tried += [0.0] * missing
+            self._accepted += [0.0] * missing
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One request of the batch being planned: its tracker, the longest draft it may have this round, and for a
-    tree the nodes its full tree holds (a tree is sent whole or not at all; None: a chain, one node per level).
-    ``model_free``: the draft is a prompt-lookup chain (``tracker`` is then the request's ``lookup`` tracker): it
-    costs the drafter call but no draft level."""
+    tree the nodes its full tree holds (None: a chain, one node per level). A tree whose request keeps a rank
+    estimate (``ranks``: its drafter grows dynamic trees) is priced node by node and may be cut to its best few
+    nodes; any other tree is sent whole or not at all. ``model_free``: the draft is a prompt-lookup chain
+    (``tracker`` is then the request's ``lookup`` tracker): it costs the drafter call but no draft level."""
 
     tracker: AcceptanceTracker
     max_length: int
     tree_nodes: int | None = None
     model_free: bool = False
+    ranks: RankTracker | None = None
 
     @classmethod
     def for_round(cls, tracker: AcceptanceTracker, depth: int, nodes: int, *, tree: bool, lookup: int = 0) -> Candidate:
         """A request's round with room for ``nodes`` nodes of a draft ``depth`` deep (a chain: ``min(depth,
-        nodes)``; a ``tree``: the whole tree), or, when its drafter will propose a prompt-lookup chain of ``lookup``
-        tokens (and ``tracker`` keeps a lookup estimate), that chain."""
+        nodes)``; a ``tree``: that tree, by rank where ``tracker`` keeps ``ranks``), or, when its drafter will propose
+        a prompt-lookup chain of ``lookup`` tokens (and ``tracker`` keeps a lookup estimate), that chain."""
         if lookup and tracker.lookup is not None:
             return cls(tracker.lookup, lookup, model_free=True)
-        return cls(tracker, depth, nodes) if tree else cls(tracker, min(depth, nodes))
+        return cls(tracker, depth, nodes, ranks=tracker.ranks) if tree else cls(tracker, min(depth, nodes))
 
     def node_budget(self, length: int) -> int:
-        """The nodes to draft for a chosen ``length``: that many, or a tree's whole budget (0: none)."""
-        return length if self.tree_nodes is None or not length else self.tree_nodes
+        """The nodes to draft for a chosen ``length``: a chain's length, a tree's chosen nodes by rank (at most its
+        room), or a tree's whole budget (0: none)."""
+        if self.tree_nodes is None or not length:
+            return length
+        return min(length, self.tree_nodes) if self.ranks is not None else self.tree_nodes
 
 
 class SpeculationController:
@@ -356,6 +424,11 @@ class SpeculationController:
         self.lookup_population = AcceptanceTracker(
             [prior_rate] * max_length, prior_weight=population_prior_weight, decay=population_decay
         )
+        self.rank_population = RankTracker(
+            [prior_rate ** (rank + 1) for rank in range(max_length)],
+            prior_weight=population_prior_weight,
+            decay=population_decay,
+        )
         self.request_prior_weight = request_prior_weight  # observations a new request's population prior counts as
         self.tokens_per_round = MovingAverage(initial=1.0)  # committed per sequence per round, all requests
 
@@ -371,11 +444,24 @@ class SpeculationController:
         them besides its model's drafts), starting from what the population's lookup chains accept."""
         return AcceptanceTracker(self.lookup_population.rates(), prior_weight=self.request_prior_weight)
 
+    def rank_tracker(self) -> RankTracker:
+        """A request's estimate of its dynamic trees' nodes by rank (its tracker's ``ranks``, for a request whose
+        drafter grows dynamic trees), starting from what the population's accept."""
+        return RankTracker(self.rank_population.rates(), prior_weight=self.request_prior_weight)
+
     def observe_verdict(
-        self, tracker: AcceptanceTracker, proposed: int, accepted: int, *, model_free: bool = False
+        self,
+        tracker: AcceptanceTracker,
+        proposed: int,
+        accepted: int,
+        *,
+        model_free: bool = False,
+        nodes: int = 0,
+        accepted_nodes: Sequence[int] = (),
     ) -> None:
         """A request's round: ``proposed`` draft levels (0: none), ``accepted`` of them accepted; ``model_free``: the
-        draft ran no model (prompt lookup)."""
+        draft ran no model (prompt lookup). For a request that keeps ``ranks``: its tree's ``nodes`` and the ones
+        ``accepted_nodes`` (the verdict's path; a dynamic tree's node index is its rank)."""
         self.tokens_per_round.add(accepted + 1)
         if proposed == 0:
             tracker.idle()
@@ -391,6 +477,9 @@ class SpeculationController:
         tracker.failed_probes = 0 if accepted else tracker.failed_probes + probed
         tracker.observe(proposed, accepted)
         self.population.observe(proposed, accepted)
+        if tracker.ranks is not None and nodes:
+            tracker.ranks.observe(nodes, accepted_nodes)
+            self.rank_population.observe(nodes, accepted_nodes)
 
     def probe_wait(self, tracker: AcceptanceTracker) -> int:
         """Idle rounds after which ``tracker``'s request probes: ``probe_every``, doubled for each probe in a row that
@@ -458,7 +547,8 @@ class SpeculationController:
         other_positions: int = 0,
         other_tokens: float = 0.0,
     ) -> list[int]:
-        """Each candidate's draft length (0: a plain target step) for this round.
+        """Each candidate's draft length (0: a plain target step) for this round; for a tree priced by rank, its
+        nodes.
 
         ``other_positions`` / ``other_tokens``: what sequences not planned here (other requests decided on their
         own, sharing the verifier's forward) add to it in positions and expected committed tokens.
@@ -467,20 +557,29 @@ class SpeculationController:
         so the increments are taken best gain per position first and the best prefix of that order is kept. Were the
         round cost a function of the position count alone, that would be the optimum (among all choices with n
         positions the n best gains win); the draft term (the longest chain's levels) makes it a close heuristic.
+        A dynamic tree's nodes are increments too, each its rank's ``p_r`` (:class:`RankTracker`; its first b nodes
+        need ``min(depth, b)`` levels); another tree is one increment of its whole budget at its mean gain per node.
         A prefix predicted to beat no drafting by less than ``min_gain`` is not taken (module docstring). A
         model-free candidate (a prompt-lookup chain) adds positions and the drafter call, no draft level.
         """
-        # (-gain per position, level, request, positions added, draft levels it needs)
-        increments: list[tuple[float, int, int, int, int]] = []
+        # (-gain per position, order within the request, request, positions added, draft levels, length it sets)
+        increments: list[tuple[float, int, int, int, int, int]] = []
+        rows_of = []  # each request's rows per draft level, once it drafts
         for index, candidate in enumerate(candidates):
             length = min(candidate.max_length, candidate.tracker.max_length)
-            gains = candidate.tracker.gains(length)
-            if candidate.tree_nodes is not None:
-                if length > 0 and candidate.tree_nodes > 0:
-                    gain = sum(gains)
-                    increments.append((-gain / candidate.tree_nodes, 0, index, candidate.tree_nodes, length))
-                continue
-            increments.extend((-gain, level, index, 1, level + 1) for level, gain in enumerate(gains))
+            nodes = candidate.tree_nodes
+            rows_of.append(1 if nodes is None else rows_per_level(nodes, length))
+            if nodes is None:
+                gains = candidate.tracker.gains(length)
+                increments.extend((-gain, level, index, 1, level + 1, level + 1) for level, gain in enumerate(gains))
+            elif length > 0 and candidate.ranks is not None:  # a dynamic tree: its best ``rank + 1`` nodes
+                gains = candidate.ranks.gains(nodes)
+                increments.extend(
+                    (-gain, rank, index, 1, min(length, rank + 1), rank + 1) for rank, gain in enumerate(gains)
+                )
+            elif length > 0 and nodes > 0:  # any other tree: whole
+                gain = sum(candidate.tracker.gains(length))
+                increments.append((-gain / nodes, 0, index, nodes, length, length))
         increments.sort()
         positions = other_positions + len(candidates)
         tokens = other_tokens + len(candidates)
@@ -489,21 +588,21 @@ class SpeculationController:
         best_prefix = 0
         drafting: set[int] = set()  # the requests the prefix drafts for: a level costs more the more rows it drafts
         rows = 0
-        for taken, (negative_gain, _, index, added, level) in enumerate(increments, start=1):
+        for taken, (negative_gain, _, index, added, draft_levels, _) in enumerate(increments, start=1):
             positions += added
             tokens += -negative_gain * added
             if not candidates[index].model_free:
-                levels = max(levels, level)
+                levels = max(levels, draft_levels)
                 if index not in drafting:
                     drafting.add(index)
-                    rows += rows_per_level(added, level)  # its first increment: a chain's first node, or a tree
+                    rows += rows_of[index]
             # every prefix calls the drafter: a model-free chain too, with no level to draft
             rate = tokens / self.cost.seconds(positions, levels, rows, calls_drafter=True)
             if rate > best_rate:
                 best_rate, best_prefix = rate, taken
         lengths = [0] * len(candidates)
-        for _, _, index, _, level in increments[:best_prefix]:
-            lengths[index] = max(lengths[index], level)
+        for *_, index, _, _, length in increments[:best_prefix]:
+            lengths[index] = max(lengths[index], length)
         for index, candidate in enumerate(candidates):  # a probe: the estimate of a request that stopped drafting
             tracker = candidate.tracker
             if lengths[index] or not candidate.max_length:

@@ -24,7 +24,7 @@ from specdec.lookup import LookupIndex
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams, TopLogprobs
 from specdec.stats import GenerationResult, SpecStats
-from specdec.tree import TokenTree
+from specdec.tree import TokenTree, grown_dynamically
 from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
 
 
@@ -127,6 +127,12 @@ class Engine:
         if tracker is not None and self.drafter is not None and self.drafter.lookup_min_match > 0:
             tracker.lookup = self.controller.lookup_tracker()
             sequence.text_index.extend(request.prompt_ids)
+        if (
+            tracker is not None
+            and self.drafter is not None
+            and grown_dynamically(self.drafter.config.tree_width, request.params.greedy)
+        ):
+            tracker.ranks = self.controller.rank_tracker()
         if self.drafter is not None:
             try:
                 generator = self._verifier.generator(sequence_id)
@@ -177,8 +183,9 @@ class Engine:
         return self.drafter.propose(handles, budgets)
 
     def _adaptive_budgets(self, active: list[_Sequence], budgets: list[int]) -> list[int]:
-        """The controller's node budget for each sequence: a chain of its chosen length, or the whole tree or none;
-        a round the drafter will propose a prompt-lookup chain in is planned as one (its own estimate, no level)."""
+        """The controller's node budget for each sequence: a chain of its chosen length, a greedy (dynamic) tree's
+        best nodes, or another tree whole or none; a round the drafter will propose a prompt-lookup chain in is
+        planned as one (its own estimate, no level)."""
         config = self.drafter.config
         candidates = []
         for sequence, budget in zip(active, budgets, strict=True):
@@ -216,7 +223,12 @@ class Engine:
         caught_up = all(s.tracker.caught_up for s, _, _ in modelled)
         for sequence, proposal, depth, outcome in zip(active, proposals, depths, outcomes, strict=True):
             self.controller.observe_verdict(
-                sequence.tracker, depth, outcome.verdict.num_accepted, model_free=proposal.model_free
+                sequence.tracker,
+                depth,
+                outcome.verdict.num_accepted,
+                model_free=proposal.model_free,
+                nodes=len(proposal.tree),
+                accepted_nodes=outcome.verdict.accepted_path,
             )
         forward = outcomes[0]
         other_s = round_s - draft_s - forward.verify_s

@@ -21,6 +21,13 @@ from dataclasses import dataclass
 ROOT = -1
 
 
+def grown_dynamically(tree_width: int, greedy: bool) -> bool:
+    """Whether a model drafter grows a round's tree as EAGLE-2's dynamic tree (a greedy tree): one numbered by its
+    draft's path probability, node i its (i+1)-th most probable, whose first b nodes are the tree a budget of b
+    gets (:meth:`specdec.drafters.model.TreeDraft.select`)."""
+    return greedy and tree_width > 1
+
+
 @dataclass(frozen=True)
 class TokenTree:
     """Candidate tokens and their parent links; see the module docstring."""

@@ -12,6 +12,7 @@ from specdec.adaptive import (
     AcceptanceTracker,
     Candidate,
     CostCurve,
+    RankTracker,
     SpeculationController,
     rows_per_level,
 )
@@ -180,6 +181,50 @@ def test_a_tree_is_sent_whole_or_not_at_all() -> None:
     assert cheap.choose([Candidate(fixed_tracker(0.6), 3, tree_nodes=6)]) == [3]
     dear = controller_with(lambda n: 10.0 * n)
     assert dear.choose([Candidate(fixed_tracker(0.6), 3, tree_nodes=6)]) == [0]
+
+
+def test_a_rank_tracker_shrinks_each_ranks_acceptance_to_its_prior_and_never_rises_with_rank() -> None:
+    ranks = RankTracker([0.6, 0.3, 0.3, 0.1], prior_weight=2.0, decay=1.0)
+    ranks.observe(nodes=3, accepted=[0, 2])  # a 3-node tree whose verdict accepted nodes 0 and 2 (a path)
+    # rank 1: (1 + 2 · 0.6) / 3; rank 2: (0 + 2 · 0.3) / 3 = 0.2; rank 3: (1 + 0.6) / 3 = 0.53, held to 0.2 by rank 2;
+    # rank 4 was never tried: its prior, 0.1; a fifth rank starts from the prior's last
+    assert ranks.gains(5) == pytest.approx([2.2 / 3, 0.2, 0.2, 0.1, 0.1])
+
+
+def test_a_dynamic_tree_is_cut_to_the_nodes_that_pay() -> None:
+    """A dynamic tree 3 deep with room for 4 nodes, its ranks accepted at 0.8, 0.5, 0.1, 0.05; forward 10 ms + 1 ms per
+    extra position, drafting free: b nodes commit 1 + Σ p_r in 10 + b ms, 1.8 / 11, 2.3 / 12 (best), 2.4 / 13,
+    2.45 / 14 tokens/ms. Sent whole or not at all (no rank estimate) the tree's 4 nodes were all or nothing."""
+    controller = controller_with(lambda n: 10 + (n - 1))
+    tracker = fixed_tracker(0.6)
+    tracker.ranks = RankTracker([0.8, 0.5, 0.1, 0.05])
+    candidate = Candidate.for_round(tracker, 3, 4, tree=True)
+    assert controller.choose([candidate]) == [2] and candidate.node_budget(2) == 2
+    assert candidate.node_budget(9) == 4  # never more than the round has room for
+    # a level of one row measured at 3 ms, of this tree's 2 rows priced 3.375: 1.8 / 14.4 beats 2.3 / 18.75
+    dear_drafts = controller_with(lambda n: 10 + (n - 1), draft_level_ms=3.0)
+    assert dear_drafts.choose([candidate]) == [1]
+    cheap = controller_with(lambda n: 10 + 0.01 * (n - 1))
+    assert cheap.choose([candidate]) == [4]
+    whole = Candidate.for_round(fixed_tracker(0.6), 3, 4, tree=True)
+    assert whole.ranks is None and whole.node_budget(3) == 4
+
+
+def test_a_dynamic_trees_verdict_moves_its_rank_estimate_and_the_populations() -> None:
+    controller = SpeculationController(4, probe_every=1000)
+    tracker = controller.tracker()
+    tracker.ranks = controller.rank_tracker()
+    before = tracker.ranks.gains(4)
+    assert before == pytest.approx([0.5, 0.25, 0.125, 0.0625])
+    for _ in range(3):  # a 4-node tree whose verdicts accept nodes 0 and 1, never 2 or 3
+        controller.observe_verdict(tracker, 2, 2, nodes=4, accepted_nodes=(0, 1))
+    after = tracker.ranks.gains(4)
+    assert after[0] > before[0] and after[1] > before[1] and after[2] < before[2] and after[3] < before[3]
+    newcomer = controller.rank_tracker().gains(4)  # a new request starts from what the population accepts
+    assert newcomer[0] > before[0] and newcomer[2] < before[2]
+    tracker.lookup = controller.lookup_tracker()
+    controller.observe_verdict(tracker, 1, 1, model_free=True, nodes=1, accepted_nodes=(0,))
+    assert tracker.ranks.gains(4) == after  # a prompt-lookup chain says nothing of the tree's ranks
 
 
 def test_pipelining_pays_only_where_the_drafting_it_hides_outweighs_the_deferred_bonus() -> None:

@@ -198,7 +198,7 @@ def test_a_greedy_tree_is_the_most_probable_nodes_of_a_dynamic_tree(target: Load
     """Greedy trees are EAGLE-2's dynamic trees: every level gives the ``tree_width`` most probable nodes of the level
     above ``tree_width`` children each, the head's top tokens on the node's path (training's unrolled forward; at
     depth 3 the level's forward ran only part of the level above), and the budget keeps the most probable nodes of
-    all (path probability: the product of the head's probabilities along it)."""
+    all (path probability: the product of the head's probabilities along it), numbered by it."""
     head = random_head(target)
     features = true_features(target, TEXT)
     n, width = 9, 2
@@ -231,6 +231,9 @@ def test_a_greedy_tree_is_the_most_probable_nodes_of_a_dynamic_tree(target: Load
     assert sorted(tuple(paths[node]) for node in best) == sorted(
         tuple(kept.tokens[i] for i in kept.path_to(node)) for node in range(len(kept))
     )
+    # numbered by probability, so the 5 kept are the first 5 of every candidate: a smaller budget cuts a larger tree
+    assert [probability[node] for node in range(len(candidates))] == sorted(probability.values(), reverse=True)
+    assert kept.tokens == candidates.tokens[:5] and kept.parents == candidates.parents[:5]
 
 
 def test_a_dynamic_trees_rejection_guesses_are_its_likeliest_tokens_that_are_not_kept_children(

@@ -80,3 +80,23 @@ def test_greedy_tree_keeps_budget_nodes_of_its_dynamic_candidates(width: int, de
         assert len(expanded) == width and all(len(candidates.children(node)) == width for node in expanded)
     assert len(kept) == budget
     assert _token_paths(kept) <= _token_paths(candidates)
+
+
+@pytest.mark.parametrize(("width", "depth"), [(2, 3), (3, 4)])
+def test_a_smaller_budgets_greedy_tree_is_the_first_nodes_of_a_larger_ones(width: int, depth: int) -> None:
+    """A greedy tree numbers its nodes by draft path probability, so the tree of each budget is the first nodes of
+    every larger budget's (what lets ``auto`` cut a tree node by node) and the first node is the draft's top token."""
+    target = tiny_llama(seed=3, vocab_size=8)
+    trees = []
+    for budget in range(1, width * depth + 1):
+        config = DraftConfig(num_draft_tokens=depth, tree_width=width, tree_budget=budget)
+        drafter = build_drafter("early-exit", target, config, early_exit_layers=1)
+        handle = drafter.open([1, 2, 3], SamplingParams(temperature=0.0), torch.Generator().manual_seed(0))
+        [proposal] = drafter.propose([handle], [1000])
+        trees.append(proposal.tree)
+        drafter.close(handle)
+    largest = trees[-1]
+    assert len(largest) == width * depth and not largest.is_chain
+    for budget, tree in enumerate(trees, start=1):
+        assert tree.tokens == largest.tokens[:budget] and tree.parents == largest.parents[:budget], budget
+    assert trees[0] == TokenTree.chain([largest.tokens[0]])

@@ -108,6 +108,7 @@ def expected(target: LoadedModel) -> dict[str, list[int]]:
         ("eagle", "pipelined", 3, 2),
         ("early-exit", "pipelined", 2, 1),
         ("eagle", "auto", 4, 1),
+        ("eagle", "auto", 3, 2),
     ],
     ids=[
         "ngram-pipelined",
@@ -118,6 +119,7 @@ def expected(target: LoadedModel) -> dict[str, list[int]]:
         "eagle-tree-pipelined",
         "early-exit-multi-outcome",
         "eagle-auto",
+        "eagle-tree-auto",
     ],
 )
 def test_grpc_chat_equals_colocated(
@@ -144,6 +146,8 @@ def test_grpc_chat_equals_colocated(
                 assert result.stats.feature_bytes > 0
             if speculation == "pipelined":
                 assert result.stats.pipeline_hits + result.stats.pipeline_misses > 0
+            if speculation == "auto" and width > 1:  # the cycling controller cut the greedy tree to several sizes
+                assert sum(count > 0 for count in result.stats.rounds_per_draft_size[1:]) >= 2, result.stats
     if drafter == "early-exit" and speculation == "pipelined":  # its pre-drafts outlast a verify: misses cancel them
         assert stack.early.scheduler.status().result(10).cancelled > cancelled
 

@@ -37,7 +37,7 @@ from specdec.drafters.base import (
 from specdec.errors import InvalidArgumentError
 from specdec.runner import ForwardItem, KVRunner
 from specdec.sampling import SamplingParams, argmax, logits_to_probs
-from specdec.tree import ROOT, TokenTree
+from specdec.tree import ROOT, TokenTree, grown_dynamically
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class TreeDraft:
         where it is sure, a wide first level where it is not. Sampled children cannot be chosen after they are
         drawn (the kept ones would no longer be draws from ``q``), so a sampled tree spends its budget level by
         level as it grows."""
-        return self.sequence.params.greedy and self.sequence.config.tree_width > 1
+        return grown_dynamically(self.sequence.config.tree_width, self.sequence.params.greedy)
 
     @property
     def most_forwarded(self) -> int:
@@ -115,15 +115,21 @@ class TreeDraft:
         return bool(self.frontier) and not self.stopped and (self.dynamic or len(self.tokens) < self.budget)
 
     def select(self) -> list[int] | None:
-        """Keep the ``budget`` nodes of highest path probability (ties: the lower index) and return the old index
-        of each node kept, in order; None when every node stays. A child's path probability is its parent's times
-        its own rank (at most 1), and a parent's index is the lower, so the nodes kept are a tree: every ancestor of
-        a kept node is kept. A kept node's correction (pre-drafting's guess of what the target emits when it rejects
-        every child) becomes its most probable dropped child, where it lost one: the draft's likeliest token that is
-        not a child now. Only a dynamic tree outgrows its budget, and it is greedy: it has no rows to select."""
-        if len(self.tokens) <= self.budget:
+        """Keep a dynamic tree's ``budget`` nodes of highest path probability, numbered by it: node i is the tree's
+        (i+1)-th most probable (ties: the lower index first). Returns the old index of each node kept, in the new
+        order; None when every node stays where it is (a sampled tree always does: it spends its budget as it grows).
+
+        A child's path probability is its parent's times its own rank (at most 1), and a parent's index is the lower,
+        so the nodes kept are a tree and every parent comes before its children. Numbered so, the tree a smaller budget
+        keeps is this one's first nodes (the candidates do not depend on the budget), which lets a controller price a
+        dynamic tree node by node (:class:`specdec.adaptive.RankTracker`). A kept node's correction (pre-drafting's
+        guess of what the target emits when it rejects every child) becomes its most probable dropped child, where
+        it lost one: the draft's likeliest token that is not a child now. A dynamic tree is greedy: it has no rows."""
+        if not self.dynamic:
             return None
-        kept = sorted(sorted(range(len(self.tokens)), key=lambda node: -self.path_probs[node])[: self.budget])
+        kept = sorted(range(len(self.tokens)), key=lambda node: -self.path_probs[node])[: self.budget]  # stable sort
+        if kept == list(range(len(self.tokens))):
+            return None
         new_index = {old: new for new, old in enumerate(kept)} | {ROOT: ROOT}
         corrections = dict(self.corrections)
         for old, parent in enumerate(self.parents):
