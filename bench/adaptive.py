@@ -9,6 +9,7 @@ group each. Greedy outputs must be identical across configurations (they are che
 same law. Writes ``adaptive.json`` and ``adaptive.md`` into ``--output-dir``.
 
     python -m bench.adaptive --num-prompts 16 --max-tokens 64 --batch-sizes 1,8 --output-dir bench/results
+    python -m bench.adaptive ... --tree-width 3 --tree-depth 3 --tree-budget 4   # a tree, fixed and under auto, too
 """
 
 from __future__ import annotations
@@ -35,20 +36,27 @@ from specdec.sampling import SamplingParams
 SAMPLINGS = {"greedy": SamplingParams(temperature=0.0), "T=0.7": SamplingParams(temperature=0.7)}
 
 
-def engines(target, draft_model: str | None, gamma: int) -> dict[str, Engine]:
-    """Speculation off, eagle at a fixed γ, eagle with γ chosen every round (up to the same γ)."""
+def engines(target, draft_model: str | None, gamma: int, tree: DraftConfig | None = None) -> dict[str, Engine]:
+    """Speculation off, eagle at a fixed γ, eagle with γ chosen every round (up to the same γ); with a ``tree``
+    shape, that tree fixed and under ``auto`` too (a greedy tree cut to its best nodes by rank every round)."""
 
-    def eagle() -> object:
-        return build_drafter("eagle", target, DraftConfig(num_draft_tokens=gamma), draft_model=draft_model)
+    def eagle(config: DraftConfig) -> object:
+        return build_drafter("eagle", target, config, draft_model=draft_model)
 
     def engine(drafter=None, controller=None) -> Engine:
         return Engine(KVRunner(target.model), target.eos_token_ids, drafter, controller)
 
-    return {
+    chain = DraftConfig(num_draft_tokens=gamma)
+    configs = {
         "off": engine(),
-        f"eagle γ={gamma}": engine(eagle()),
-        f"eagle auto (γ≤{gamma})": engine(eagle(), SpeculationController(gamma)),
+        f"eagle γ={gamma}": engine(eagle(chain)),
+        f"eagle auto (γ≤{gamma})": engine(eagle(chain), SpeculationController(gamma)),
     }
+    if tree is not None:
+        shape = f"d{tree.num_draft_tokens} w{tree.tree_width} b{tree.max_nodes}"
+        configs[f"eagle tree {shape}"] = engine(eagle(tree))
+        configs[f"eagle tree auto ({shape})"] = engine(eagle(tree), SpeculationController(tree.num_draft_tokens))
+    return configs
 
 
 def run_point(
@@ -126,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--tree-width", type=int, default=1, help="children per node of a tree row too (1: none)")
+    parser.add_argument("--tree-depth", type=int, default=3)
+    parser.add_argument("--tree-budget", type=int, default=0, help="the tree's nodes (0: width x depth)")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--samplings", default="greedy,T=0.7", help=f"comma-separated of {', '.join(SAMPLINGS)}")
     parser.add_argument("--threads", type=int, default=2)
@@ -135,7 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     quiet_model_loading()
     target = load_model(args.target)
     prompts = [prompt.token_ids for prompt in heldout_prompts(target, args.num_prompts)]
-    configs = engines(target, args.draft_model, args.num_draft_tokens)
+    tree = None
+    if args.tree_width > 1:
+        tree = DraftConfig(num_draft_tokens=args.tree_depth, tree_width=args.tree_width, tree_budget=args.tree_budget)
+    configs = engines(target, args.draft_model, args.num_draft_tokens, tree)
     payload: dict[str, Any] = {
         "command": "python -m bench.adaptive " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "num_prompts": len(prompts),
