@@ -315,25 +315,32 @@ class RankTracker:
     larger one and commits ``E(b) = 1 + Σ_{r≤b} p_r`` tokens in expectation: the controller prices it node by node,
     as it prices a chain position by position, and picks its budget every round instead of sending the whole tree
     or nothing. Rank r was *tried* in a round whose tree had more than r nodes, and accepted when the verdict's path
-    holds it; ``p_r = (accepted_r + w · prior_r) / (tried_r + w)``, the counts decayed at every observation as
-    :class:`AcceptanceTracker`'s. These are marginal rates (a chain's are conditional). The ranks follow the draft's
-    own path probability, which acceptance follows where the draft is calibrated, so the estimate is made
-    non-increasing in rank (a running minimum): noise cannot make a later node look better than an earlier one, and
-    the controller's best-gain-first order takes a prefix of the ranks. A rank past the prior's end starts from the
-    prior's last rate.
+    holds it; ``p_r = (accepted_r + w · target_r) / (tried_r + w)``, the counts decayed at every observation as
+    :class:`AcceptanceTracker`'s. The target is ``prior[r]`` where the prior has one (a request's: what the population
+    accepts), else the estimate of the rank before, as a chain's deeper positions shrink to the one before them: a
+    rank nobody has tried is expected to do as well as the one before it, so the controller tries it, where a small
+    fixed prior would keep trees from ever growing past the ranks once measured. These are marginal rates (a chain's
+    are conditional). The ranks follow the draft's own path probability, which acceptance follows where the draft is
+    calibrated, so the estimate is made non-increasing in rank (a running minimum): noise cannot make a later node
+    look better than an earlier one, and the controller's best-gain-first order takes a prefix of the ranks.
     """
 
     def __init__(self, prior: Sequence[float], *, prior_weight: float = 2.0, decay: float = 0.95) -> None:
+        if not prior:
+            raise ValueError("a rank tracker needs a prior for its first rank")
         self.prior = list(prior)
         self._weight = prior_weight
         self._decay = decay
-        self._tried = [0.0] * len(self.prior)
-        self._accepted = [0.0] * len(self.prior)
+        self._tried: list[float] = []
+        self._accepted: list[float] = []
 
     def observe(self, nodes: int, accepted: Sequence[int]) -> None:
         """A round whose tree had ``nodes`` nodes, of which the verdict accepted the ``accepted`` ones (a path)."""
         self.fade()
-        self._extend(nodes)
+        missing = nodes - len(self._tried)
+        if missing > 0:
+            self._tried += [0.0] * missing
+            self._accepted += [0.0] * missing
         for rank in range(nodes):
             self._tried[rank] += 1
         for rank in accepted:
@@ -344,25 +351,20 @@ class RankTracker:
         self._tried = [count * self._decay for count in self._tried]
         self._accepted = [count * self._decay for count in self._accepted]
 
-    def rates(self) -> list[float]:
-        """``p_1..p_n`` over every rank with a prior or an observation, non-increasing."""
-        w, rates, ceiling = self._weight, [], 1.0
-        for accepted, tried, prior in zip(self._accepted, self._tried, self.prior, strict=True):
-            ceiling = min(ceiling, (accepted + w * prior) / (tried + w))
-            rates.append(ceiling)
+    def rates(self, nodes: int | None = None) -> list[float]:
+        """``p_1..p_nodes`` (None: every rank with a prior or an observation), non-increasing."""
+        count = max(len(self.prior), len(self._tried)) if nodes is None else nodes
+        w, rates, estimate = self._weight, [], 1.0
+        for rank in range(count):
+            target = self.prior[rank] if rank < len(self.prior) else estimate
+            tried, accepted = (self._tried[rank], self._accepted[rank]) if rank < len(self._tried) else (0.0, 0.0)
+            estimate = min(estimate, (accepted + w * target) / (tried + w))
+            rates.append(estimate)
         return rates
 
     def gains(self, nodes: int) -> list[float]:
         """What each of the first ``nodes`` ranks adds to the expected committed tokens: ``p_r``."""
-        self._extend(nodes)
-        return self.rates()[:nodes]
-
-    def _extend(self, nodes: int) -> None:
-        missing = nodes - len(self.prior)
-        if missing > 0 and self.prior:
-            self.prior += [self.prior[-1]] * missing
-            self._tried += [0.0] * missing
-            self._accepted += [0.0] * missing
+        return self.rates(nodes)
 
 
 @dataclass(frozen=True)
@@ -424,11 +426,7 @@ class SpeculationController:
         self.lookup_population = AcceptanceTracker(
             [prior_rate] * max_length, prior_weight=population_prior_weight, decay=population_decay
         )
-        self.rank_population = RankTracker(
-            [prior_rate ** (rank + 1) for rank in range(max_length)],
-            prior_weight=population_prior_weight,
-            decay=population_decay,
-        )
+        self.rank_population = RankTracker([prior_rate], prior_weight=population_prior_weight, decay=population_decay)
         self.request_prior_weight = request_prior_weight  # observations a new request's population prior counts as
         self.tokens_per_round = MovingAverage(initial=1.0)  # committed per sequence per round, all requests
 

@@ -187,8 +187,16 @@ def test_a_rank_tracker_shrinks_each_ranks_acceptance_to_its_prior_and_never_ris
     ranks = RankTracker([0.6, 0.3, 0.3, 0.1], prior_weight=2.0, decay=1.0)
     ranks.observe(nodes=3, accepted=[0, 2])  # a 3-node tree whose verdict accepted nodes 0 and 2 (a path)
     # rank 1: (1 + 2 · 0.6) / 3; rank 2: (0 + 2 · 0.3) / 3 = 0.2; rank 3: (1 + 0.6) / 3 = 0.53, held to 0.2 by rank 2;
-    # rank 4 was never tried: its prior, 0.1; a fifth rank starts from the prior's last
+    # rank 4 was never tried: its prior, 0.1; a fifth, past the prior, does as well as the fourth
     assert ranks.gains(5) == pytest.approx([2.2 / 3, 0.2, 0.2, 0.1, 0.1])
+
+
+def test_a_rank_past_the_prior_shrinks_to_the_rank_before_it_so_an_untried_rank_gets_tried() -> None:
+    ranks = RankTracker([0.6], prior_weight=2.0, decay=1.0)
+    assert ranks.gains(3) == pytest.approx([0.6, 0.6, 0.6])
+    ranks.observe(nodes=2, accepted=[0])
+    # rank 1: (1 + 1.2) / 3; rank 2: (0 + 2 · 0.733) / 3 = 0.489; rank 3, never tried, as rank 2
+    assert ranks.gains(3) == pytest.approx([2.2 / 3, 4.4 / 9, 4.4 / 9])
 
 
 def test_a_dynamic_tree_is_cut_to_the_nodes_that_pay() -> None:
@@ -215,7 +223,7 @@ def test_a_dynamic_trees_verdict_moves_its_rank_estimate_and_the_populations() -
     tracker = controller.tracker()
     tracker.ranks = controller.rank_tracker()
     before = tracker.ranks.gains(4)
-    assert before == pytest.approx([0.5, 0.25, 0.125, 0.0625])
+    assert before == pytest.approx([0.5] * 4)  # no tree measured yet: every rank as good as the first
     for _ in range(3):  # a 4-node tree whose verdicts accept nodes 0 and 1, never 2 or 3
         controller.observe_verdict(tracker, 2, 2, nodes=4, accepted_nodes=(0, 1))
     after = tracker.ranks.gains(4)
