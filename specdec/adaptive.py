@@ -317,10 +317,12 @@ class RankTracker:
     or nothing. Rank r was *tried* in a round whose tree had more than r nodes, and accepted when the verdict's path
     holds it; ``p_r = (accepted_r + w · target_r) / (tried_r + w)``, the counts decayed at every observation as
     :class:`AcceptanceTracker`'s. The target is ``prior[r]`` where the prior has one (a request's: what the population
-    accepts), else the estimate of the rank before, as a chain's deeper positions shrink to the one before them: a
-    rank nobody has tried is expected to do as well as the one before it, so the controller tries it, where a small
-    fixed prior would keep trees from ever growing past the ranks once measured. These are marginal rates (a chain's
-    are conditional). The ranks follow the draft's own path probability, which acceptance follows where the draft is
+    accepts), else the decline measured between the two ranks before goes on (``p_{r-1}² / p_{r-2}``; the population
+    starts from one rate, so from a geometric prior): a rank nobody has tried is priced as the ones measured suggest,
+    so it is tried where that pays (a fixed prior would keep trees from ever growing past the ranks once measured
+    on a head that pays deeper), and rarely where the decline is steep (the previous rank's own rate, as a chain's
+    deeper positions take, sends every request exploring deep nodes). These are marginal rates (a chain's are
+    conditional). The ranks follow the draft's own path probability, which acceptance follows where the draft is
     calibrated, so the estimate is made non-increasing in rank (a running minimum): noise cannot make a later node
     look better than an earlier one, and the controller's best-gain-first order takes a prefix of the ranks.
     """
@@ -354,13 +356,13 @@ class RankTracker:
     def rates(self, nodes: int | None = None) -> list[float]:
         """``p_1..p_nodes`` (None: every rank with a prior or an observation), non-increasing."""
         count = max(len(self.prior), len(self._tried)) if nodes is None else nodes
-        w, rates, estimate = self._weight, [], 1.0
+        w, rates = self._weight, [1.0]  # (a rank -1, accepted always: the running minimum's start)
         for rank in range(count):
-            target = self.prior[rank] if rank < len(self.prior) else estimate
+            last, before = rates[-1], rates[-2] if len(rates) > 1 else 1.0
+            target = self.prior[rank] if rank < len(self.prior) else (last * last / before if before > 0 else 0.0)
             tried, accepted = (self._tried[rank], self._accepted[rank]) if rank < len(self._tried) else (0.0, 0.0)
-            estimate = min(estimate, (accepted + w * target) / (tried + w))
-            rates.append(estimate)
-        return rates
+            rates.append(min(last, (accepted + w * target) / (tried + w)))
+        return rates[1:]
 
     def gains(self, nodes: int) -> list[float]:
         """What each of the first ``nodes`` ranks adds to the expected committed tokens: ``p_r``."""

@@ -187,16 +187,23 @@ def test_a_rank_tracker_shrinks_each_ranks_acceptance_to_its_prior_and_never_ris
     ranks = RankTracker([0.6, 0.3, 0.3, 0.1], prior_weight=2.0, decay=1.0)
     ranks.observe(nodes=3, accepted=[0, 2])  # a 3-node tree whose verdict accepted nodes 0 and 2 (a path)
     # rank 1: (1 + 2 · 0.6) / 3; rank 2: (0 + 2 · 0.3) / 3 = 0.2; rank 3: (1 + 0.6) / 3 = 0.53, held to 0.2 by rank 2;
-    # rank 4 was never tried: its prior, 0.1; a fifth, past the prior, does as well as the fourth
-    assert ranks.gains(5) == pytest.approx([2.2 / 3, 0.2, 0.2, 0.1, 0.1])
+    # rank 4 was never tried: its prior, 0.1; a fifth, past the prior, goes on from 0.2 to 0.1: 0.05
+    assert ranks.gains(5) == pytest.approx([2.2 / 3, 0.2, 0.2, 0.1, 0.05])
 
 
-def test_a_rank_past_the_prior_shrinks_to_the_rank_before_it_so_an_untried_rank_gets_tried() -> None:
+def test_a_rank_past_the_prior_goes_on_with_the_decline_measured_before_it() -> None:
     ranks = RankTracker([0.6], prior_weight=2.0, decay=1.0)
-    assert ranks.gains(3) == pytest.approx([0.6, 0.6, 0.6])
+    assert ranks.gains(3) == pytest.approx([0.6, 0.36, 0.216])  # one rate: a geometric prior
     ranks.observe(nodes=2, accepted=[0])
-    # rank 1: (1 + 1.2) / 3; rank 2: (0 + 2 · 0.733) / 3 = 0.489; rank 3, never tried, as rank 2
-    assert ranks.gains(3) == pytest.approx([2.2 / 3, 4.4 / 9, 4.4 / 9])
+    first = 2.2 / 3  # (1 + 2 · 0.6) / 3
+    second = 2 * first**2 / 3  # tried once, rejected, shrunk to first²
+    assert ranks.gains(3) == pytest.approx([first, second, second**2 / first])
+    for _ in range(200):  # a head that pays deep: 4-node trees whose ranks are accepted 0.9, 0.8, 0.7, 0.6 of rounds
+        for accepted in ((0, 1, 2, 3),) * 6 + ((0, 1, 2),) + ((0, 1),) + ((0,),) + ((),):
+            ranks.observe(nodes=4, accepted=accepted)
+    measured = ranks.gains(6)
+    assert measured[:4] == pytest.approx([0.9, 0.8, 0.7, 0.6], abs=0.05)
+    assert measured[4] == pytest.approx(0.6 * 0.6 / 0.7, abs=0.05)  # not a small fixed prior: tried where that pays
 
 
 def test_a_dynamic_tree_is_cut_to_the_nodes_that_pay() -> None:
@@ -223,13 +230,14 @@ def test_a_dynamic_trees_verdict_moves_its_rank_estimate_and_the_populations() -
     tracker = controller.tracker()
     tracker.ranks = controller.rank_tracker()
     before = tracker.ranks.gains(4)
-    assert before == pytest.approx([0.5] * 4)  # no tree measured yet: every rank as good as the first
+    assert before == pytest.approx([0.5, 0.25, 0.125, 0.0625])  # no tree measured yet: a geometric prior
     for _ in range(3):  # a 4-node tree whose verdicts accept nodes 0 and 1, never 2 or 3
         controller.observe_verdict(tracker, 2, 2, nodes=4, accepted_nodes=(0, 1))
     after = tracker.ranks.gains(4)
-    assert after[0] > before[0] and after[1] > before[1] and after[2] < before[2] and after[3] < before[3]
+    assert after[0] > before[0] and after[1] > before[1]
+    assert after[2] < after[1] - 0.2 and after[3] < after[2]  # rejected, below what ranks 1-2's flat decline suggest
     newcomer = controller.rank_tracker().gains(4)  # a new request starts from what the population accepts
-    assert newcomer[0] > before[0] and newcomer[2] < before[2]
+    assert newcomer[0] > before[0] and newcomer[1] > before[1] and newcomer[2] < newcomer[1] - 0.1
     tracker.lookup = controller.lookup_tracker()
     controller.observe_verdict(tracker, 1, 1, model_free=True, nodes=1, accepted_nodes=(0,))
     assert tracker.ranks.gains(4) == after  # a prompt-lookup chain says nothing of the tree's ranks
