@@ -756,6 +756,44 @@ def test_auto_drafts_sequentially_when_the_drafting_a_predraft_would_hide_costs_
     assert_clean(placement)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_auto_prices_a_greedy_trees_nodes_by_rank_and_a_sampled_tree_whole(temperature: float) -> None:
+    """A greedy tree request under ``auto`` keeps a rank estimate: the controller plans its tree node by node and hears
+    every verdict's tree size and accepted nodes (a dynamic tree's node index is its rank); a sampled tree, whose
+    nodes are draws that cannot be cut after the fact, is planned whole."""
+    observed: list[tuple[int, tuple[int, ...]]] = []
+    ranked: list[bool] = []
+
+    class Recording(CyclingController):
+        def choose(self, candidates, **load):
+            ranked.extend(candidate.ranks is not None for candidate in candidates)
+            return super().choose(candidates, **load)
+
+        def observe_verdict(self, tracker, proposed, accepted, *, model_free=False, nodes=0, accepted_nodes=()):
+            if proposed:
+                observed.append((nodes, tuple(accepted_nodes)))
+            super().observe_verdict(
+                tracker, proposed, accepted, model_free=model_free, nodes=nodes, accepted_nodes=accepted_nodes
+            )
+
+    placement = FakePlacement([FakeVerifier()], [FakeDrafter(wrong_every=3)])
+    plan = replace(
+        make_plan("auto", max_tokens=30),
+        sampling=SamplingParams(temperature=temperature),
+        shape=DraftShape(3, tree_width=2, tree_budget=4),
+    )
+
+    async def emit(chunk: Chunk) -> None:
+        pass
+
+    controller = Recording(lengths=(2, 0, 3, 1), pipelining=(False,))
+    asyncio.run(Session(plan, placement, emit, sequence_id="s", controller=controller).run())
+    assert ranked and set(ranked) == {temperature == 0}
+    assert observed and all(nodes >= 1 and set(path) <= set(range(nodes)) for nodes, path in observed)
+    assert any(path for _, path in observed) and any(len(path) < nodes for nodes, path in observed)
+    assert_clean(placement)
+
+
 def test_auto_leaves_the_wait_at_the_verifier_out_of_a_rounds_fixed_cost() -> None:
     """Under load a round mostly waits for the verifier's forward to start; counted as a fixed cost, that wait made
     every extra position look cheap next to it, and ``auto`` drafted where the verifier was the bottleneck."""
