@@ -146,7 +146,7 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
         "over the client's end-to-end time (prefill included); every drafter must give the same tokens as no "
         "speculation.\n`auto`, the server's default, picks each round's draft length (0 included) from "
         "the request's measured acceptance and the verifier's measured costs; sequential and pipelined draft 4; "
-        "the tree row verifies the 4 likeliest nodes of a tree drafted 3 levels deep.\n"
+        "the tree row verifies up to the 4 likeliest nodes of a tree drafted 3 levels deep (auto picks how many).\n"
         "The eagle drafter is a one-layer head trained on the target's own outputs "
         f"and features (the target's features travel to it with every verdict); the full head: `{FULL_HEAD_COMMAND}`."
     )
