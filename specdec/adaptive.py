@@ -446,7 +446,7 @@ class SpeculationController:
 
     def rank_tracker(self) -> RankTracker:
         """A request's estimate of its dynamic trees' nodes by rank (its tracker's ``ranks``, for a request whose
-        drafter grows dynamic trees), starting from what the population's accept."""
+        drafter grows dynamic trees), starting from what the population's trees accept."""
         return RankTracker(self.rank_population.rates(), prior_weight=self.request_prior_weight)
 
     def observe_verdict(

@@ -58,20 +58,25 @@ def _token_paths(tree: TokenTree) -> set[tuple[int, ...]]:
     return {tuple(tree.tokens[node] for node in tree.path_to(node)) for node in range(len(tree))}
 
 
-@pytest.mark.parametrize(("width", "depth", "budget"), [(2, 3, 6), (3, 4, 5), (2, 5, 4)])
-def test_greedy_tree_keeps_budget_nodes_of_its_dynamic_candidates(width: int, depth: int, budget: int) -> None:
-    """Drafted without a bound, a greedy tree expands at most ``width`` nodes a level, ``width`` children each, to its
-    full depth; with a budget it proposes ``budget`` of those nodes (a tree: their ancestors are among them)."""
+def _greedy_trees(width: int, depth: int, budgets: list[int]) -> list[TokenTree]:
+    """The greedy tree an early-exit drafter on a tiny target proposes for the same text at each of ``budgets``."""
     target = tiny_llama(seed=3, vocab_size=8)
     trees = []
-    for nodes in (1000, budget):
-        config = DraftConfig(num_draft_tokens=depth, tree_width=width, tree_budget=nodes)
+    for budget in budgets:
+        config = DraftConfig(num_draft_tokens=depth, tree_width=width, tree_budget=budget)
         drafter = build_drafter("early-exit", target, config, early_exit_layers=1)
         handle = drafter.open([1, 2, 3], SamplingParams(temperature=0.0), torch.Generator().manual_seed(0))
         [proposal] = drafter.propose([handle], [1000])
         trees.append(proposal.tree)
         drafter.close(handle)
-    candidates, kept = trees
+    return trees
+
+
+@pytest.mark.parametrize(("width", "depth", "budget"), [(2, 3, 6), (3, 4, 5), (2, 5, 4)])
+def test_greedy_tree_keeps_budget_nodes_of_its_dynamic_candidates(width: int, depth: int, budget: int) -> None:
+    """Drafted without a bound, a greedy tree expands at most ``width`` nodes a level, ``width`` children each, to its
+    full depth; with a budget it proposes ``budget`` of those nodes (a tree: their ancestors are among them)."""
+    candidates, kept = _greedy_trees(width, depth, [1000, budget])
     assert len(candidates) == width + (depth - 1) * width * width
     assert candidates.max_depth() == depth
     for level in range(depth - 1):
@@ -86,15 +91,7 @@ def test_greedy_tree_keeps_budget_nodes_of_its_dynamic_candidates(width: int, de
 def test_a_smaller_budgets_greedy_tree_is_the_first_nodes_of_a_larger_ones(width: int, depth: int) -> None:
     """A greedy tree numbers its nodes by draft path probability, so the tree of each budget is the first nodes of
     every larger budget's (what lets ``auto`` cut a tree node by node) and the first node is the draft's top token."""
-    target = tiny_llama(seed=3, vocab_size=8)
-    trees = []
-    for budget in range(1, width * depth + 1):
-        config = DraftConfig(num_draft_tokens=depth, tree_width=width, tree_budget=budget)
-        drafter = build_drafter("early-exit", target, config, early_exit_layers=1)
-        handle = drafter.open([1, 2, 3], SamplingParams(temperature=0.0), torch.Generator().manual_seed(0))
-        [proposal] = drafter.propose([handle], [1000])
-        trees.append(proposal.tree)
-        drafter.close(handle)
+    trees = _greedy_trees(width, depth, list(range(1, width * depth + 1)))
     largest = trees[-1]
     assert len(largest) == width * depth and not largest.is_chain
     for budget, tree in enumerate(trees, start=1):
