@@ -564,9 +564,13 @@ class SpeculationController:
         """
         # (-gain per position, order within the request, request, positions added, draft levels, length it sets)
         increments: list[tuple[float, int, int, int, int, int]] = []
+        # each request's rows per draft level, once it drafts; a cut dynamic tree is priced at the whole tree's rows:
+        # its drafter expands the tree_width likeliest nodes of every level whatever budget it keeps afterwards
+        rows_of = []
         for index, candidate in enumerate(candidates):
             length = min(candidate.max_length, candidate.tracker.max_length)
             nodes = candidate.tree_nodes
+            rows_of.append(1 if nodes is None else rows_per_level(nodes, length))
             if nodes is None:
                 gains = candidate.tracker.gains(length)
                 increments.extend((-gain, level, index, 1, level + 1, level + 1) for level, gain in enumerate(gains))
@@ -584,18 +588,16 @@ class SpeculationController:
         levels = 0
         best_rate = tokens / self.cost.seconds(positions, 0) * (1 + self.min_gain)
         best_prefix = 0
-        # a level costs more the more rows it drafts: each request's rows a level, for the draft the prefix gives it
-        drafted, drafted_levels = [0] * len(candidates), [0] * len(candidates)
+        drafting: set[int] = set()  # the requests the prefix drafts for: a level costs more the more rows it drafts
         rows = 0
         for taken, (negative_gain, _, index, added, draft_levels, _) in enumerate(increments, start=1):
             positions += added
             tokens += -negative_gain * added
             if not candidates[index].model_free:
                 levels = max(levels, draft_levels)
-                rows -= rows_per_level(drafted[index], drafted_levels[index])
-                drafted[index] += added
-                drafted_levels[index] = max(drafted_levels[index], draft_levels)
-                rows += rows_per_level(drafted[index], drafted_levels[index])
+                if index not in drafting:
+                    drafting.add(index)
+                    rows += rows_of[index]
             # every prefix calls the drafter: a model-free chain too, with no level to draft
             rate = tokens / self.cost.seconds(positions, levels, rows, calls_drafter=True)
             if rate > best_rate:
