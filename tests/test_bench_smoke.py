@@ -208,23 +208,55 @@ def test_eagle_trees_section_on_a_tiny_model(tmp_path: Path) -> None:
     assert "| greedy | eagle tree d3 w3 b4 |" in report
 
 
-def _tiny_eagle_section(tmp_path: Path, section: str) -> tuple[list[dict], str]:
-    """One ``bench.eagle`` section on a tiny target and its untrained head, over a prompt that repeats itself and
-    one that does not (8 new tokens): the section's rows and the markdown report."""
+def _tiny_target_and_head(tmp_path: Path):
+    """A tiny target and its untrained eagle head, saved under ``tmp_path / "head"``."""
     import torch
 
-    from bench.eagle import Prompt, Settings, describe, run_sections
     from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
     from tests.tiny_models import tiny_llama
 
     target = tiny_llama(seed=3, vocab_size=32, num_layers=2)
     head = tmp_path / "head"
     save_head(EagleHead.from_target(target.model, torch.arange(32)), head, HeadInfo(target.name, 4))
+    return target, head
+
+
+def _tiny_eagle_section(tmp_path: Path, section: str) -> tuple[list[dict], str]:
+    """One ``bench.eagle`` section on a tiny target and its untrained head, over a prompt that repeats itself and
+    one that does not (8 new tokens): the section's rows and the markdown report."""
+    from bench.eagle import Prompt, Settings, describe, run_sections
+
+    target, head = _tiny_target_and_head(tmp_path)
     prompts = [Prompt("copy", "a", [3, 4, 5, 6, 7, 8] * 2), Prompt("plain", "b", [9, 1, 2, 11, 13, 17])]
     meta = describe(target.name, str(head), prompts, 8, f"python -m bench.eagle --sections {section}")
     run_sections(target, prompts, [section], Settings(8, str(head)), meta, tmp_path / "out" / "eagle")
     rows = json.loads((tmp_path / "out" / "eagle.json").read_text())[section]["rows"]
     return rows, (tmp_path / "out" / "eagle.md").read_text()
+
+
+def test_adaptive_bench_with_a_tree_on_a_tiny_model(tmp_path: Path) -> None:
+    """``bench.adaptive`` with a tree shape: off, the chain and the tree, each fixed and under ``auto``, on groups of
+    one and of two prompts; every greedy output equals speculation off's (``run_point`` checks) and every row counts
+    the rounds it ran."""
+    from bench.adaptive import engines, run_point
+    from specdec.drafters import DraftConfig
+    from specdec.sampling import SamplingParams
+
+    target, head = _tiny_target_and_head(tmp_path)
+    configs = engines(target, str(head), 3, DraftConfig(num_draft_tokens=3, tree_width=2, tree_budget=4))
+    assert list(configs) == [
+        "off",
+        "eagle γ=3",
+        "eagle auto (γ≤3)",
+        "eagle tree d3 w2 b4",
+        "eagle tree auto (d3 w2 b4)",
+    ]
+    prompts = [[3, 4, 5, 6, 7, 8] * 2, [9, 1, 2, 11, 13, 17]]
+    for batch in (1, 2):
+        groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        rows = run_point(configs, groups, SamplingParams(temperature=0.0), 8)
+        assert set(rows) == set(configs) and rows["off"]["vs_off"] == 1.0
+        assert all(sum(row["rounds_per_draft_size"].values()) > 0 for row in rows.values())
 
 
 @pytest.mark.parametrize("feature_layers", [(), (0, 1)], ids=["final-norm", "fused"])
