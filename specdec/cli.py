@@ -67,11 +67,14 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="an eagle head's draft layers over int8 weights (int8), as loaded (none), or int8 where a float32 head "
         "runs on a CPU that can (auto, the default)",
     )
+    parser.add_argument(
+        "--speculation",
+        choices=("off", "sequential", "pipelined", "auto"),
+        help="default: the router's with --router, else sequential; in this process off, sequential or auto "
+        "(each round's draft length, 0 included, chosen from measured acceptance and costs)",
+    )
     remote = parser.add_argument_group("through a router (--router)")
     remote.add_argument("--router", metavar="HOST:PORT", help="generate on a router instead of in this process")
-    remote.add_argument(
-        "--speculation", choices=("off", "sequential", "pipelined", "auto"), help="default: the router's"
-    )
     remote.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
     remote.add_argument("--timeout", type=float, default=120.0, help="deadline of the request, in seconds")
     remote.add_argument("--tls", action="store_true", help="connect with TLS (system roots unless --tls-ca)")
@@ -128,10 +131,15 @@ def _run_generate(args: argparse.Namespace) -> int:
             field = next(name for name, value in worker_settings.items() if value)
             raise InvalidArgumentError(field, "is the serving workers' setting, not a request's: drop it with --router")
         return _run_on_router(args)
-    if args.stop or args.speculation:
-        raise InvalidArgumentError("stop" if args.stop else "speculation", "is only supported with --router")
+    if args.stop:
+        raise InvalidArgumentError("stop", "is only supported with --router")
+    if args.speculation == "pipelined":  # the co-located engine drafts after each verdict; pipelining is the router's
+        raise InvalidArgumentError(
+            "speculation", "pipelined runs through a router (--router); here: off, sequential, auto"
+        )
     import torch
 
+    from specdec.adaptive import SpeculationController
     from specdec.drafters import DraftConfig, build_drafter, check_quantizable  # the model stack: only here
     from specdec.engine import Engine, GenerationRequest
     from specdec.models import load_model, quiet_model_loading
@@ -147,15 +155,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     check_quantizable(args.drafter or "ngram", args.draft_quantization or "auto")
     target = load_model(args.target, dtype=getattr(torch, dtype), device=args.device or "cpu")
-    drafter = build_drafter(
-        args.drafter or "ngram",
-        target,
-        config,
-        draft_model=args.draft_model,
-        early_exit_layers=args.early_exit_layers,
-        draft_quantization=args.draft_quantization or "auto",
-    )
-    engine = Engine(KVRunner(target.model), target.eos_token_ids, drafter)
+    drafter = None
+    if args.speculation != "off":
+        drafter = build_drafter(
+            args.drafter or "ngram",
+            target,
+            config,
+            draft_model=args.draft_model,
+            early_exit_layers=args.early_exit_layers,
+            draft_quantization=args.draft_quantization or "auto",
+        )
+    controller = SpeculationController(config.num_draft_tokens) if args.speculation == "auto" else None
+    engine = Engine(KVRunner(target.model), target.eos_token_ids, drafter, controller)
     request = GenerationRequest(
         encode_prompt(target, args.prompt, args.chat), params, args.max_tokens, args.seed, args.ignore_eos
     )

@@ -92,6 +92,7 @@ BAD_ARGUMENTS = {
         ("draft_quantization",),
     ),
     "int8 ngram drafter": (["Hello", "--drafter", "ngram", "--draft-quantization", "int8"], ("draft_quantization",)),
+    "pipelined in this process": (["Hello", "--speculation", "pipelined"], ("speculation",)),
 }
 
 
@@ -223,6 +224,25 @@ def test_generate_json(capsys, cached_target) -> None:
     prompt = encode_prompt(target, "Hello", chat=True)
     [expected] = engine.generate([GenerationRequest(prompt, SamplingParams(temperature=0.0), 8)])
     assert tokens == expected.token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("speculation", ["off", "auto"])
+def test_generate_speculation_in_this_process(capsys, cached_target, speculation: str) -> None:
+    """``--speculation off`` drafts nothing; ``auto`` lets the goodput controller pick each round's draft length;
+    greedy, both give target-only decoding's tokens."""
+    status, out, err = run_main(
+        capsys, "Hello", "--chat", "--max-tokens", "8", "--json", "--drafter", "ngram", "--speculation", speculation
+    )
+    assert status == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    target = smollm2()
+    engine = Engine(KVRunner(target.model), target.eos_token_ids, None)
+    [expected] = engine.generate([GenerationRequest(encode_prompt(target, "Hello", chat=True), SamplingParams(0.0), 8)])
+    assert result["token_ids"] == expected.token_ids
+    assert result["stats"]["rounds"] >= 1
+    if speculation == "off":
+        assert result["stats"]["draft_tokens"] == 0 and result["stats"]["rounds"] == len(expected.token_ids)
 
 
 @pytest.mark.slow
