@@ -24,6 +24,14 @@ ENV_PREFIX = "SPECDEC_ROUTER_"
 MAX_TREE_WIDTH = 16  # children per tree node a request (or the server's default shape) may ask
 
 
+def check_tree_budget(budget: int, width: int, depth: int) -> None:
+    """A tree's node budget holds at most ``width`` nodes a level over ``depth`` levels (0: that many)."""
+    if not 0 <= budget <= width * depth:
+        raise InvalidArgumentError(
+            "tree_budget", f"must be in [0, tree_width × num_draft_tokens = {width * depth}], got {budget}"
+        )
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """How one router process serves.
@@ -102,12 +110,7 @@ class RouterConfig:
             raise InvalidArgumentError("num_draft_tokens", f"must be <= max_draft_tokens ({self.max_draft_tokens})")
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise InvalidArgumentError("tree_width", f"must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
-        if not 0 <= self.tree_budget <= self.tree_width * self.num_draft_tokens:
-            raise InvalidArgumentError(
-                "tree_budget",
-                f"must be in [0, tree_width × num_draft_tokens = {self.tree_width * self.num_draft_tokens}], "
-                f"got {self.tree_budget}",
-            )
+        check_tree_budget(self.tree_budget, self.tree_width, self.num_draft_tokens)
         for name in (
             "retry_after_s",
             "drafter_deadline_s",

@@ -20,7 +20,7 @@ from typing import Literal, cast
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from router.config import MAX_TREE_WIDTH, RouterConfig
+from router.config import MAX_TREE_WIDTH, RouterConfig, check_tree_budget
 from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
 from specdec.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
@@ -285,8 +285,5 @@ def _shape(request: GenerateInput, config: RouterConfig) -> DraftShape:
         width, budget = request.tree_width, request.tree_budget
     else:
         width, budget = config.tree_width, request.tree_budget or min(config.tree_budget, config.tree_width * gamma)
-    if not 0 <= budget <= width * gamma:
-        raise InvalidArgumentError(
-            "tree_budget", f"must be in [0, tree_width × num_draft_tokens = {width * gamma}], got {budget}"
-        )
+    check_tree_budget(budget, width, gamma)
     return DraftShape(gamma, width, budget)

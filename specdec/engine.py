@@ -124,15 +124,12 @@ class Engine:
         )
         tracker = self.controller.tracker() if self.controller is not None else None
         sequence = _Sequence(request, sequence_id, None, tracker=tracker)
-        if tracker is not None and self.drafter is not None and self.drafter.lookup_min_match > 0:
-            tracker.lookup = self.controller.lookup_tracker()
-            sequence.text_index.extend(request.prompt_ids)
-        if (
-            tracker is not None
-            and self.drafter is not None
-            and grown_dynamically(self.drafter.config.tree_width, request.params.greedy)
-        ):
-            tracker.ranks = self.controller.rank_tracker()
+        if tracker is not None and self.drafter is not None:
+            if self.drafter.lookup_min_match > 0:
+                tracker.lookup = self.controller.lookup_tracker()
+                sequence.text_index.extend(request.prompt_ids)
+            if grown_dynamically(self.drafter.config.tree_width, request.params.greedy):
+                tracker.ranks = self.controller.rank_tracker()
         if self.drafter is not None:
             try:
                 generator = self._verifier.generator(sequence_id)
