@@ -5,9 +5,9 @@ The scheduler records them: it owns the batches and the open sequences.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
-from grpc_common.metrics import BATCH_SIZE_BUCKETS, BisectHistogram, log_buckets, service_registry
+from grpc_common.metrics import BATCH_SIZE_BUCKETS, log_buckets, service_registry
 
 
 class DrafterMetrics:
@@ -16,16 +16,16 @@ class DrafterMetrics:
     def __init__(self) -> None:
         self.registry = service_registry()
         registry = self.registry
-        self.batch_size = BisectHistogram(
+        self.batch_size = Histogram(
             "specdec:drafter_batch_size", "Sequences per drafter call.", buckets=BATCH_SIZE_BUCKETS, registry=registry
         )
-        self.propose_seconds = BisectHistogram(
+        self.propose_seconds = Histogram(
             "specdec:drafter_propose_seconds",
             "Time of one batched drafter call.",
             buckets=log_buckets(1e-4, 10.0, 5),
             registry=registry,
         )
-        self.arrival_wait_seconds = BisectHistogram(
+        self.arrival_wait_seconds = Histogram(
             "specdec:drafter_arrival_wait_seconds",
             "Time a drafter call waited, after its first Propose, for the calls it expected back.",
             buckets=log_buckets(1e-5, 1.0, 5),

@@ -10,12 +10,18 @@ seconds, resident memory, open files): the router's CPU per round is what says w
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from specdec.errors import InvalidArgumentError
 
@@ -23,20 +29,97 @@ from specdec.errors import InvalidArgumentError
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 
 
-class BisectHistogram(Histogram):
-    """prometheus_client's Histogram, an observation's bucket found by binary search rather than by trying every
-    bound in turn: the router observes six histograms a round, of up to 44 buckets, and that scan was most of what
-    its metrics cost it. Same series, same counts. It reads prometheus_client's own attributes (``_sum``, ``_buckets``,
-    ``_upper_bounds``: the pinned version's); ``tests/test_metrics.py`` compares the two histograms' counts."""
+class LoopCounter:
+    """One series of a :class:`LoopMetrics` counter."""
 
-    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
-        if exemplar:
-            super().observe(amount, exemplar)
-            return
-        self._raise_if_not_observable()
-        self._sum.inc(amount)
-        if amount == amount:  # a NaN falls in no bucket, as with the scan
-            self._buckets[bisect.bisect_left(self._upper_bounds, amount)].inc(1)
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class LoopHistogram:
+    """One series of a :class:`LoopMetrics` histogram: each bucket's own count (not cumulative) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds  # ascending, +Inf last
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.sum += amount
+        if amount == amount:  # a NaN falls in no bucket, as in prometheus_client
+            self.counts[bisect.bisect_left(self.bounds, amount)] += 1
+
+
+SeriesT = TypeVar("SeriesT", LoopCounter, LoopHistogram)
+
+
+class LoopFamily(Generic[SeriesT]):
+    """A :class:`LoopMetrics` counter or histogram: its series by label values."""
+
+    def __init__(self, name: str, labelnames: Sequence[str], new_series: Callable[[], SeriesT]) -> None:
+        self.name = name
+        self.labelnames = tuple(labelnames)
+        self._new_series = new_series
+        self.series: dict[tuple[str, ...], SeriesT] = {}
+
+    def labels(self, *values: str) -> SeriesT:
+        """The series of these label values (made on first use); no values for a family without labels."""
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name} is labelled {list(self.labelnames)}, got {list(values)}")
+        series = self.series.get(values)
+        if series is None:
+            series = self.series[values] = self._new_series()
+        return series
+
+
+class LoopMetrics(Collector):
+    """Counters and histograms that one thread updates (the router's event loop, twenty-odd updates a round) and a
+    scrape reads: plain numbers, no lock. prometheus_client's own take a lock and check the series on every update,
+    which was about 5 % of the router's CPU per round (``bench/results/router-loop-metrics.md``). A scrape from
+    another thread may see a histogram's sum a moment ahead of its buckets; no count ever goes back. Names, labels
+    and exposition are prometheus_client's Counter and Histogram's, less their ``_created`` series. Registered with
+    ``registry`` as one collector."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._counters: list[tuple[LoopFamily[LoopCounter], str]] = []
+        self._histograms: list[tuple[LoopFamily[LoopHistogram], str]] = []
+        registry.register(self)
+
+    def counter(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> LoopFamily[LoopCounter]:
+        family = LoopFamily(name, labelnames, LoopCounter)
+        self._counters.append((family, documentation))
+        return family
+
+    def histogram(
+        self, name: str, documentation: str, buckets: Sequence[float], labelnames: Sequence[str] = ()
+    ) -> LoopFamily[LoopHistogram]:
+        bounds = tuple(sorted(float(bound) for bound in buckets))
+        if bounds[-1] != math.inf:
+            bounds += (math.inf,)
+        family = LoopFamily(name, labelnames, lambda: LoopHistogram(bounds))
+        self._histograms.append((family, documentation))
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        for counters, documentation in self._counters:
+            counter = CounterMetricFamily(counters.name, documentation, labels=counters.labelnames)
+            for values, series in list(counters.series.items()):
+                counter.add_metric(values, series.value)
+            yield counter
+        for histograms, documentation in self._histograms:
+            histogram = HistogramMetricFamily(histograms.name, documentation, labels=histograms.labelnames)
+            for values, series in list(histograms.series.items()):
+                cumulative = itertools.accumulate(list(series.counts))
+                buckets = [(floatToGoString(b), c) for b, c in zip(series.bounds, cumulative, strict=True)]
+                histogram.add_metric(values, buckets, series.sum)
+            yield histogram
 
 
 def service_registry() -> CollectorRegistry:

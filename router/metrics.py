@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
 
 from grpc_common.errors import status_for
-from grpc_common.metrics import BisectHistogram, log_buckets, service_registry
+from grpc_common.metrics import LoopCounter, LoopHistogram, LoopMetrics, log_buckets, service_registry
 from router.errors import NoWorkerError, UnauthenticatedError, WorkerUnavailableError
 from router.pipeline import Chunk, Drafted, Emit, Final, RoundRecord
 
@@ -52,89 +52,86 @@ class RouterMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = service_registry()
+        loop = LoopMetrics(self.registry)  # every counter and histogram: updated on the router's event loop only
         model = ["model_name"]
 
-        def counter(name: str, documentation: str, labels: list[str] = model) -> Counter:
-            return Counter(name, documentation, labels, registry=self.registry)
+        def counter(name: str, documentation: str) -> LoopCounter:
+            return loop.counter(name, documentation, model).labels(model_name)
 
         def gauge(name: str, documentation: str) -> Gauge:
-            return Gauge(name, documentation, model, registry=self.registry)
+            return Gauge(name, documentation, model, registry=self.registry).labels(model_name)
 
-        def histogram(
-            name: str, documentation: str, buckets: tuple[float, ...], labels: list[str] = model
-        ) -> BisectHistogram:
-            return BisectHistogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> LoopHistogram:
+            return loop.histogram(name, documentation, buckets, model).labels(model_name)
 
-        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Rounds that verified a non-empty draft.").labels(
-            model_name
-        )
-        self.num_draft_tokens = counter(
-            "vllm:spec_decode_num_draft_tokens", "Drafted tokens (tree nodes) verified."
-        ).labels(model_name)
+        def own_histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> LoopHistogram:
+            return loop.histogram(name, documentation, buckets).labels()
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Rounds that verified a non-empty draft.")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens (tree nodes) verified.")
         self.num_accepted_tokens = counter(
             "vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted (not counting correction or bonus)."
-        ).labels(model_name)
-        self._accepted_per_pos = counter(
+        )
+        self._accepted_per_pos = loop.counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Drafted tokens accepted at each position (0: the first drafted token).",
             ["model_name", "position"],
         )
         self.time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds", "Admission to the first streamed chunk.", TTFT_BUCKETS
-        ).labels(model_name)
+        )
         self.inter_token_latency = histogram(
             "vllm:inter_token_latency_seconds", "Gap between consecutive chunks of a request.", ITL_BUCKETS
-        ).labels(model_name)
+        )
         self.e2e_request_latency = histogram(
             "vllm:e2e_request_latency_seconds", "Admission to the end of a finished request.", E2E_BUCKETS
-        ).labels(model_name)
-        self.requests_running = gauge("vllm:num_requests_running", "Requests generating.").labels(model_name)
+        )
+        self.requests_running = gauge("vllm:num_requests_running", "Requests generating.")
         self.requests_waiting = gauge(
             "vllm:num_requests_waiting", "Requests queued for a running slot (at most max_waiting_requests)."
-        ).labels(model_name)
-        request_success = counter(
+        )
+        request_success = loop.counter(
             "vllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"]
         )
         self._request_success = {reason: request_success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled.").labels(model_name)
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.").labels(model_name)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
 
-        self.draft_seconds = histogram("specdec:draft_seconds", "Drafter time per proposal.", ROUND_BUCKETS, [])
-        self.verify_seconds = histogram("specdec:verify_seconds", "Verifier time per round.", ROUND_BUCKETS, [])
-        self.state_seconds = histogram("specdec:state_seconds", "State refresh time per round.", ROUND_BUCKETS, [])
-        self.round_seconds = histogram("specdec:round_seconds", "Wall time of a round.", ROUND_BUCKETS, [])
-        self.router_overhead_seconds = histogram(
+        self.draft_seconds = own_histogram("specdec:draft_seconds", "Drafter time per proposal.", ROUND_BUCKETS)
+        self.verify_seconds = own_histogram("specdec:verify_seconds", "Verifier time per round.", ROUND_BUCKETS)
+        self.state_seconds = own_histogram("specdec:state_seconds", "State refresh time per round.", ROUND_BUCKETS)
+        self.round_seconds = own_histogram("specdec:round_seconds", "Wall time of a round.", ROUND_BUCKETS)
+        self.router_overhead_seconds = own_histogram(
             "specdec:router_overhead_seconds",
             "Round wall time less exposed draft, verify and state time: what the router and the wire add.",
             OVERHEAD_BUCKETS,
-            [],
         )
-        self.draft_size = histogram(
+        self.draft_size = own_histogram(
             "specdec:draft_tokens_per_round",
             "Draft tokens (tree nodes) verified per round, target-only rounds included (auto: the lengths chosen).",
             DRAFT_SIZE_BUCKETS,
-            [],
         )
-        self.pipeline_hits = counter("specdec:pipeline_hits", "Pipelined rounds whose pre-drafted chain was used.", [])
-        self.pipeline_rejection_hits = counter(
+        self.pipeline_hits = loop.counter(
+            "specdec:pipeline_hits", "Pipelined rounds whose pre-drafted chain was used."
+        ).labels()
+        self.pipeline_rejection_hits = loop.counter(
             "specdec:pipeline_rejection_hits",
             "Pipeline hits whose pre-draft was prepared for a rejection verdict (multi-outcome pre-drafting).",
-            [],
-        )
-        self.pipeline_misses = counter("specdec:pipeline_misses", "Pipelined rounds that discarded it.", [])
-        wire_bytes = counter(
+        ).labels()
+        self.pipeline_misses = loop.counter("specdec:pipeline_misses", "Pipelined rounds that discarded it.").labels()
+        wire_bytes = loop.counter(
             "specdec:wire_bytes",
             "Bytes of proposals (draft) and verdicts (verdict) received, and of the verdicts' target feature rows "
             "relayed to drafters (features).",
             ["direction"],
         )
         self._wire_bytes = {direction: wire_bytes.labels(direction) for direction in WIRE_DIRECTIONS}
-        self.drafter_fallbacks = counter(
-            "specdec:drafter_fallbacks", "Finished requests that went target-only (drafter failed or none free).", []
-        )
-        self._request_failure = counter("specdec:request_failure", "Failed requests by gRPC status.", ["code"])
+        self.drafter_fallbacks = loop.counter(
+            "specdec:drafter_fallbacks", "Finished requests that went target-only (drafter failed or none free)."
+        ).labels()
+        self._request_failure = loop.counter("specdec:request_failure", "Failed requests by gRPC status.", ["code"])
         self._model_name = model_name
-        self._accepted_per_pos_children: list[Counter] = []  # by position: labels() costs a lookup every round
+        self._accepted_per_pos_children: list[LoopCounter] = []  # by position: labels() costs a lookup every round
 
     # --- RoundObserver ------------------------------------------------------------------------------------
 
@@ -164,7 +161,7 @@ class RouterMetrics:
         self._wire_bytes["verdict"].inc(verified.wire_bytes)
         self._wire_bytes["features"].inc(verified.feature_bytes)
 
-    def _accepted_at(self, position: int) -> Counter:
+    def _accepted_at(self, position: int) -> LoopCounter:
         """The accepted-per-position series of ``position`` (its children are made in order: every accepted
         position's predecessors were accepted too)."""
         children = self._accepted_per_pos_children

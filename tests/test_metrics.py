@@ -19,12 +19,12 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import RunningDrafter, start_drafter
-from grpc_common.metrics import BisectHistogram, log_buckets
+from grpc_common.metrics import LoopMetrics, log_buckets
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.pipeline import Drafted, RoundRecord, Session, Verified
@@ -146,26 +146,36 @@ def test_router_overhead_is_round_wall_less_exposed_draft_verify_and_state() -> 
     assert counts == [1, 1, None]  # two of three drafted tokens accepted
 
 
-def test_a_bisect_histogram_counts_exactly_as_prometheus_own() -> None:
+def test_loop_metrics_expose_exactly_what_prometheus_own_counter_and_histogram_do() -> None:
     bounds = log_buckets(50e-6, 1.0, 10)
     generator = random.Random(0)
     values = [*bounds, 0.0, -1.0, 2.0, math.inf, math.nan] + [10 ** generator.uniform(-6, 1) for _ in range(500)]
     registries = [CollectorRegistry(), CollectorRegistry()]
-    ours = BisectHistogram("h", "h", ["k"], buckets=bounds, registry=registries[0]).labels("a")
+    loop = LoopMetrics(registries[0])
+    ours = loop.histogram("h", "h", bounds, ["k"]).labels("a")
+    ours_counter = loop.counter("c", "c", ["k"])
     theirs = Histogram("h", "h", ["k"], buckets=bounds, registry=registries[1]).labels("a")
-    for value in values:
+    theirs_counter = Counter("c", "c", ["k"], registry=registries[1])
+    for index, value in enumerate(values):
         ours.observe(value)
         theirs.observe(value)
+        ours_counter.labels(str(index % 3)).inc(index)
+        theirs_counter.labels(str(index % 3)).inc(index)
 
-    def buckets(registry: CollectorRegistry) -> list[tuple[str, float]]:
-        [family] = [f for f in registry.collect() if f.name == "h"]
-        return [(s.labels.get("le", s.name), s.value) for s in family.samples if not s.name.endswith("_created")]
+    def samples(registry: CollectorRegistry, name: str) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+        [family] = [f for f in registry.collect() if f.name == name]
+        assert family.type == ("counter" if name == "c" else "histogram")
+        return [(s.name, tuple(sorted(s.labels.items())), s.value) for s in family.samples if "_created" not in s.name]
 
-    ours_samples, theirs_samples = buckets(registries[0]), buckets(registries[1])
-    assert [name for name, _ in ours_samples] == [name for name, _ in theirs_samples]
-    assert all(
-        a == b or (math.isnan(a) and math.isnan(b)) for (_, a), (_, b) in zip(ours_samples, theirs_samples, strict=True)
-    )
+    for name in ("h", "c"):
+        ours_samples, theirs_samples = samples(registries[0], name), samples(registries[1], name)
+        assert [sample[:2] for sample in ours_samples] == [sample[:2] for sample in theirs_samples]
+        assert all(
+            a == b or (math.isnan(a) and math.isnan(b))
+            for (*_, a), (*_, b) in zip(ours_samples, theirs_samples, strict=True)
+        )
+    with pytest.raises(ValueError, match="labelled"):
+        ours_counter.labels()
 
 
 def scrape(address: str) -> tuple[Samples, set[str]]:

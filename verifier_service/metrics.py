@@ -6,9 +6,9 @@ the feature rows in each reply.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Summary
+from prometheus_client import Counter, Gauge, Histogram, Summary
 
-from grpc_common.metrics import BATCH_SIZE_BUCKETS, BisectHistogram, log_buckets, service_registry
+from grpc_common.metrics import BATCH_SIZE_BUCKETS, log_buckets, service_registry
 
 
 class VerifierMetrics:
@@ -17,19 +17,19 @@ class VerifierMetrics:
     def __init__(self, model_name: str = "") -> None:
         self.registry = service_registry()
         registry = self.registry
-        self.batch_size = BisectHistogram(
+        self.batch_size = Histogram(
             "specdec:verifier_batch_size",
             "Sequences per target forward.",
             buckets=BATCH_SIZE_BUCKETS,
             registry=registry,
         )
-        self.forward_seconds = BisectHistogram(
+        self.forward_seconds = Histogram(
             "specdec:verifier_forward_seconds",
             "Time of one batched verification (target forward, acceptance and state commit).",
             buckets=log_buckets(1e-4, 10.0, 5),
             registry=registry,
         )
-        self.arrival_wait_seconds = BisectHistogram(
+        self.arrival_wait_seconds = Histogram(
             "specdec:verifier_arrival_wait_seconds",
             "Time a forward waited, after its first Verify call, for the calls it expected back.",
             buckets=log_buckets(1e-5, 1.0, 5),
