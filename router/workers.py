@@ -31,7 +31,7 @@ from specdec_wire.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_
 from grpc_common.convert import proposal_nodes, sampling_to_wire, top_logprobs_from_wire, tree_from_wire
 from grpc_common.server import DEFAULT_MAX_MESSAGE_BYTES
 from grpc_common.tls import aio_channel
-from router.batching import MAX_NODES_PER_BATCH, Bound, CallBatcher
+from router.batching import MAX_NODES_PER_BATCH, CallBatcher
 from router.calls import BatchTransport, Worker, call_failure
 from router.config import RouterConfig
 from router.errors import WorkerError, WorkerRejectedError, WorkerUnavailableError
@@ -56,8 +56,8 @@ class WorkerClient:
     """A worker's client: its :class:`Worker` record and address, and the batcher its calls go through.
 
     ``batch_method`` is the stub's ``Batch`` and ``batch_request`` its request type (``calls=[...]``); a call is a
-    ``call_type`` (``DrafterCall`` / ``VerifierCall``) and its result the matching ``*Result``; ``bounds`` are what
-    a Batch holds at most a limit of besides calls (:class:`~router.batching.CallBatcher`).
+    ``call_type`` (``DrafterCall`` / ``VerifierCall``) and its result the matching ``*Result``; ``limits`` are what
+    a Batch holds at most besides calls, of the weights each call is given (:class:`~router.batching.CallBatcher`).
     """
 
     def __init__(
@@ -65,19 +65,20 @@ class WorkerClient:
         worker: Worker,
         transport: BatchTransport,
         call_type: Callable[..., Any],
-        bounds: Sequence[Bound[Any]] = (),
+        limits: Sequence[int] = (),
     ) -> None:
         self.worker = worker
         self.address = worker.address
         self.transport = transport
         self._call_type = call_type
-        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, transport.send, bounds=bounds)
+        self.batcher: CallBatcher[Any, Any] = CallBatcher(worker.address, transport.send, limits=limits)
         self.open_sequences: set[str] = set()  # opened (or being opened) here and not yet closed: leases to renew
         self.status_known = False  # what the worker's Status tells (kind, batch stream) has been learnt
 
-    async def _call(self, kind: str, call: Any) -> Any:
-        """``call`` in this tick's Batch; its reply (the ``kind`` field of its result), or its failure raised."""
-        return self._result(kind, await self.batcher.submit(call))
+    async def _call(self, kind: str, call: Any, weights: Sequence[int] = ()) -> Any:
+        """``call`` (of these ``weights``) in this tick's Batch; its reply (the ``kind`` field of its result), or its
+        failure raised."""
+        return self._result(kind, await self.batcher.submit(call, weights))
 
     async def shutdown(self, grace: float | None = None) -> None:
         """End the batch stream and close the channel."""
@@ -105,9 +106,7 @@ class GrpcDrafter(WorkerClient):
     def __init__(self, worker: Worker, streams: bool = True) -> None:
         stub = drafter_pb2_grpc.DrafterStub(worker.channel)
         transport = BatchTransport(worker, stub.BatchStream, stub.Batch, drafter_pb2.DrafterBatchRequest, streams)
-        super().__init__(
-            worker, transport, drafter_pb2.DrafterCall, [(_feature_kilobytes, FEATURE_KILOBYTES_PER_BATCH)]
-        )
+        super().__init__(worker, transport, drafter_pb2.DrafterCall, [FEATURE_KILOBYTES_PER_BATCH])
 
     @property
     def feature_width(self) -> int:
@@ -175,7 +174,8 @@ class GrpcDrafter(WorkerClient):
         if commit is None:
             committed, proposed = None, self.batcher.submit(propose)
         else:  # one group, Commit first: the drafter applies it first, and no batch split can reorder the two
-            committed, proposed = self.batcher.submit_group([_commit_call(sequence_id, *commit), propose])
+            call, weights = _commit_call(sequence_id, *commit)
+            committed, proposed = self.batcher.submit_group([call, propose], weights)
         try:
             if committed is not None:
                 self._result("commit", await committed)
@@ -204,7 +204,7 @@ class GrpcDrafter(WorkerClient):
         features: object | None = None,
         cancel_through: int = 0,
     ) -> None:
-        await self._call("commit", _commit_call(sequence_id, base_length, emitted, features, cancel_through))
+        await self._call("commit", *_commit_call(sequence_id, base_length, emitted, features, cancel_through))
 
     async def close(self, sequence_id: str) -> None:
         self.open_sequences.discard(sequence_id)
@@ -218,8 +218,9 @@ def _commit_call(
     emitted: Sequence[int],
     features: object | None = None,
     cancel_through: int = 0,
-) -> drafter_pb2.DrafterCall:
-    """A Commit; ``features`` is a verdict's ``FeatureRows`` message, carried as the verifier sent it."""
+) -> tuple[drafter_pb2.DrafterCall, tuple[int]]:
+    """A Commit, and its weight: the kilobytes of feature rows it carries (``features``: a verdict's ``FeatureRows``
+    message, carried as the verifier sent it)."""
     assert features is None or isinstance(features, common_pb2.FeatureRows)
     request = drafter_pb2.DraftCommitRequest(
         sequence_id=sequence_id,
@@ -228,7 +229,8 @@ def _commit_call(
         features=features,
         cancel_through=cancel_through,
     )
-    return drafter_pb2.DrafterCall(commit=request)
+    kilobytes = len(features.data) // 1024 if features is not None else 0
+    return drafter_pb2.DrafterCall(commit=request), (kilobytes,)
 
 
 class GrpcVerifier(WorkerClient):
@@ -238,8 +240,9 @@ class GrpcVerifier(WorkerClient):
         stub = verifier_pb2_grpc.VerifierStub(worker.channel)
         transport = BatchTransport(worker, stub.BatchStream, stub.Batch, verifier_pb2.VerifierBatchRequest, streams)
         self._rows_due_kilobytes: dict[str, int] = {}  # sequence -> feature rows its first verdict brings (a prompt's)
-        bounds = [(_proposal_nodes, MAX_NODES_PER_BATCH), (self._verdict_kilobytes, FEATURE_KILOBYTES_PER_BATCH)]
-        super().__init__(worker, transport, verifier_pb2.VerifierCall, bounds)
+        super().__init__(
+            worker, transport, verifier_pb2.VerifierCall, [MAX_NODES_PER_BATCH, FEATURE_KILOBYTES_PER_BATCH]
+        )
 
     async def learn_status(self, deadline_s: float) -> None:
         """Learn whether the verifier answers a batch stream; one whose Status fails is asked again at the next
@@ -283,10 +286,9 @@ class GrpcVerifier(WorkerClient):
         request = verifier_pb2.VerifyRequest(
             sequence_id=sequence_id, proposal=proposal, defer_bonus=defer_bonus, stop_features=stop_features
         )
-        try:
-            reply = await self._call("verify", verifier_pb2.VerifierCall(verify=request))
-        finally:
-            self._rows_due_kilobytes.pop(sequence_id, None)
+        # weighed by its nodes and the feature rows its answer brings, where they are many (a prompt's)
+        weights = (proposal_nodes(proposal), self._rows_due_kilobytes.pop(sequence_id, 0))
+        reply = await self._call("verify", verifier_pb2.VerifierCall(verify=request), weights)
         verdict = reply.verdict
         features = reply.features if reply.HasField("features") else None
         feature_bytes = features.ByteSize() if features is not None else 0
@@ -313,10 +315,6 @@ class GrpcVerifier(WorkerClient):
         request = verifier_pb2.CloseVerifyRequest(sequence_id=sequence_id)
         await self._call("close", verifier_pb2.VerifierCall(close=request))
 
-    def _verdict_kilobytes(self, call: verifier_pb2.VerifierCall) -> int:
-        """The feature rows the answer to ``call`` will carry, in kB, where they are many: a prompt's."""
-        return self._rows_due_kilobytes.get(call.verify.sequence_id, 0) if call.HasField("verify") else 0
-
 
 def _feature_context(spec: SequenceSpec) -> int:
     """The positions whose rows a verdict sends: the drafter's ``feature_context``, but never more than half a message
@@ -327,16 +325,6 @@ def _feature_context(spec: SequenceSpec) -> int:
         return spec.feature_context
     fit = max(FEATURE_KILOBYTES_PER_BATCH * 1024 // row_bytes, 1)
     return min(spec.feature_context or fit, fit)
-
-
-def _feature_kilobytes(call: drafter_pb2.DrafterCall) -> int:
-    """The feature rows ``call`` carries, in kB (a Commit relaying a verdict's rows; every other call: 0)."""
-    return len(call.commit.features.data) // 1024 if call.HasField("commit") else 0
-
-
-def _proposal_nodes(call: verifier_pb2.VerifierCall) -> int:
-    """What a verifier's bound on the proposal nodes of a Batch counts of ``call``."""
-    return proposal_nodes(call.verify.proposal) if call.HasField("verify") else 0
 
 
 class WorkerPool:

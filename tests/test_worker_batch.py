@@ -210,9 +210,10 @@ def test_call_batcher_keeps_each_batch_within_the_workers_bound_on_nodes() -> No
         return [call.upper() for call in calls]
 
     async def run() -> None:
-        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=3, bounds=[(len, 5)])
+        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=3, limits=[5])
         calls = ["aa", "bb", "c", "dddddd", "e", "f", "g", "h"]
-        assert await asyncio.gather(*(batcher.submit(call) for call in calls)) == [call.upper() for call in calls]
+        submitted = (batcher.submit(call, [len(call)]) for call in calls)
+        assert await asyncio.gather(*submitted) == [call.upper() for call in calls]
         assert sent == [["aa", "bb", "c"], ["dddddd"], ["e", "f", "g"], ["h"]]
 
     asyncio.run(run())
@@ -227,10 +228,11 @@ def test_call_batcher_keeps_each_batch_within_every_bound() -> None:
         return calls
 
     async def run() -> None:
-        bounds = [(len, 5), (lambda call: call.count("x"), 2)]
-        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=8, bounds=bounds)
-        await asyncio.gather(*(batcher.submit(call) for call in ["x", "ax", "x", "bb", "ccc", "d"]))
-        assert sent == [["x", "ax"], ["x", "bb"], ["ccc", "d"]]
+        batcher: CallBatcher[str, str] = CallBatcher("w", send, max_calls=8, limits=[5, 2])
+        calls = ["x", "ax", "x", "bb", "ccc", "d", "e"]
+        weights = [[len(call), call.count("x")] for call in calls[:-1]] + [[]]  # "e" gives none: it weighs nothing
+        await asyncio.gather(*(batcher.submit(call, weight) for call, weight in zip(calls, weights, strict=True)))
+        assert sent == [["x", "ax"], ["x", "bb"], ["ccc", "d", "e"]]
 
     asyncio.run(run())
 
