@@ -73,7 +73,7 @@ from router.errors import NoWorkerError, WorkerBusyError, WorkerError, WorkerRej
 from router.predraft import PreDraft, select, selected
 from router.requests import DraftShape, Plan
 from router.text import TextStream
-from specdec.adaptive import Candidate, SpeculationController, rows_per_level
+from specdec.adaptive import Candidate, SpeculationController, drafted_work
 from specdec.lookup import LookupIndex
 from specdec.sampling_params import SamplingParams, TopLogprobs
 from specdec.stats import AcceptanceCounts
@@ -658,7 +658,7 @@ class Session:
         chains and no draft level to pay."""
         assert self._controller is not None and self._tracker is not None
         shape = self.plan.shape
-        nodes = min(budget, shape.tree_budget or shape.tree_width * shape.num_draft_tokens)
+        nodes = min(budget, shape.max_nodes)
         lookup = len(self._lookup_chain(nodes, assumed))
         tree = not shape.is_chain
         candidate = Candidate.for_round(self._tracker, shape.num_draft_tokens, nodes, tree=tree, lookup=lookup)
@@ -830,9 +830,11 @@ class Session:
             # priced as levels that kept auto from drafting at all (adaptive.py's module docstring). Nor is a model-free
             # (prompt lookup) round, which ran none, or the draft after one, which caught up on what it committed.
             drafted = bool(record.exposed_draft_ns) and drafted_before
-            drafted_levels = depth if drafted and caught_up and not model_free else 0
+            shape = self.plan.shape
+            dynamic_tree = (shape.num_draft_tokens, shape.max_nodes) if self._tracker.ranks is not None else None
+            levels, rows = drafted_work(record.draft_size, depth, dynamic_tree)
+            drafted_levels = levels if drafted and caught_up and not model_free else 0
             call_s = waited_s - draft_s if drafted and depth else None
-            rows = rows_per_level(record.draft_size, depth)
             self._controller.observe_round(
                 verified.forward_positions, forward_s, drafted_levels, draft_s, other_s, rows, call_s
             )

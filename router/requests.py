@@ -84,6 +84,11 @@ class DraftShape:
     def is_chain(self) -> bool:
         return self.tree_width <= 1
 
+    @property
+    def max_nodes(self) -> int:
+        """Nodes of the whole shape (a drafter's ``DraftConfig.max_nodes``)."""
+        return self.tree_budget or self.tree_width * self.num_draft_tokens
+
 
 @dataclass(frozen=True)
 class Plan:

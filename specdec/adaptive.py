@@ -202,6 +202,19 @@ def rows_per_level(nodes: int, depth: int) -> int:
     return -(-nodes // depth) if depth > 0 and nodes > 0 else 0
 
 
+def drafted_work(nodes: int, depth: int, dynamic_tree: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The draft levels a sent draft of ``nodes`` nodes ``depth`` levels deep cost, and its rows per level, as
+    :meth:`SpeculationController.choose` prices them, so that what a round is measured against is what the next is
+    planned with. A dynamic tree (``dynamic_tree``: the depth and nodes of its whole shape) cut to its best ``nodes``
+    ran ``min(depth, nodes)`` levels of the whole tree's rows, whatever shape the kept nodes make: its drafter expands
+    the likeliest nodes of every level and keeps the best afterwards. (Taken as the cut tree's own depth and rows, a
+    cut to two siblings charged two levels' time to one.) Any other draft: its own depth, :func:`rows_per_level`."""
+    if dynamic_tree is None or nodes < 1:
+        return depth, rows_per_level(nodes, depth)
+    whole_depth, whole_nodes = dynamic_tree
+    return min(whole_depth, nodes), rows_per_level(whole_nodes, whole_depth)
+
+
 @dataclass
 class RoundCost:
     """What a round costs besides its forward: per draft level, fixed (router, wire: every round), and

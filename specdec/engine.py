@@ -18,7 +18,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from specdec.adaptive import AcceptanceTracker, Candidate, SpeculationController, rows_per_level
+from specdec.adaptive import AcceptanceTracker, Candidate, SpeculationController, drafted_work
 from specdec.drafters.base import Drafter, Proposal
 from specdec.lookup import LookupIndex
 from specdec.runner import KVRunner
@@ -229,8 +229,11 @@ class Engine:
             )
         forward = outcomes[0]
         other_s = round_s - draft_s - forward.verify_s
-        rows = sum(rows_per_level(len(p.tree), depth) for _, p, depth in modelled)
-        levels = max((depth for _, _, depth in modelled), default=0) if caught_up else 0
+        config = self.drafter.config
+        whole = (config.num_draft_tokens, config.max_nodes)
+        work = [drafted_work(len(p.tree), d, whole if s.tracker.ranks is not None else None) for s, p, d in modelled]
+        rows = sum(rows for _, rows in work)
+        levels = max((levels for levels, _ in work), default=0) if caught_up else 0
         self.controller.observe_round(forward.forward_positions, forward.verify_s, levels, draft_s, other_s, rows)
 
     def _record(

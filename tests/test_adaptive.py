@@ -14,6 +14,7 @@ from specdec.adaptive import (
     CostCurve,
     RankTracker,
     SpeculationController,
+    drafted_work,
     rows_per_level,
 )
 
@@ -223,6 +224,16 @@ def test_a_dynamic_tree_is_cut_to_the_nodes_that_pay() -> None:
     assert cheap.choose([candidate]) == [4]
     whole = Candidate.for_round(fixed_tracker(0.6), 3, 4, tree=True)
     assert whole.ranks is None and whole.node_budget(3) == 4
+
+
+def test_a_cut_dynamic_tree_is_measured_as_the_levels_and_rows_it_is_priced_at() -> None:
+    # d4 w2 b8 cut to 2 nodes: 2 levels of the whole tree's 2 rows, whether the two are a chain or siblings
+    assert drafted_work(2, 2, (4, 8)) == drafted_work(2, 1, (4, 8)) == (2, 2)
+    assert drafted_work(6, 3, (4, 8)) == (4, 2)  # 6 nodes need all 4 levels
+    assert drafted_work(1, 1, (3, 9)) == (1, 3)
+    assert drafted_work(0, 0, (4, 8)) == (0, 0)  # nothing drafted
+    assert drafted_work(2, 1) == (1, 2)  # any other tree: its own depth and rows
+    assert drafted_work(3, 3) == (3, 1)  # a chain
 
 
 def test_a_dynamic_trees_verdict_moves_its_rank_estimate_and_the_populations() -> None:

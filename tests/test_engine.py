@@ -359,6 +359,28 @@ def test_auto_learns_a_draft_levels_cost_only_from_a_draft_that_follows_a_drafti
     assert levels == [n if n and chosen[i - 1] else 0 for i, n in enumerate(chosen)]
 
 
+def test_auto_measures_a_cut_dynamic_tree_as_it_prices_it(target: LoadedModel, draft: LoadedModel) -> None:
+    """A greedy dynamic tree cut to its best two nodes cost its drafter two levels of the whole tree's rows, whatever
+    shape the two make (a chain or two siblings): measured against that shape's own depth and rows, a round of two
+    siblings charged its two levels' time to one, and ``auto`` learnt levels twice as dear as it prices them."""
+    work: list[tuple[int, int]] = []
+
+    class Recording(CyclingController):
+        def observe_round(self, positions, forward_s, draft_levels, draft_s, other_s, rows=1, call_s=None) -> None:
+            work.append((draft_levels, rows))
+            super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
+
+    config = DraftConfig(num_draft_tokens=4, tree_width=2, tree_budget=8)
+    drafter = build_drafter("model", target, config, draft_model=draft)
+    engine = Engine(KVRunner(target.model), frozenset(), drafter, Recording(lengths=(2,)))
+    for prompt in PROMPTS:  # one at a time: each round drafts for one sequence
+        [result] = engine.generate([GenerationRequest(prompt, GREEDY, 16, ignore_eos=True)])
+        assert result.stats.draft_tokens
+    measured = [entry for entry in work if entry[0]]
+    # two levels of the whole tree's two rows; one level where a request had room for one node only
+    assert (2, 2) in measured and set(measured) <= {(2, 2), (1, 2)}
+
+
 class ReportedLookup(NgramDrafter):
     """An n-gram drafter whose chains are exactly an eagle drafter's prompt-lookup chains (tails of 2 to 8 tokens),
     reporting ``lookup_min_match`` (0: as a drafter whose rounds are all of one kind)."""

@@ -794,6 +794,35 @@ def test_auto_prices_a_greedy_trees_nodes_by_rank_and_a_sampled_tree_whole(tempe
     assert_clean(placement)
 
 
+def test_auto_measures_a_cut_dynamic_tree_as_it_prices_it() -> None:
+    """A greedy tree cut to its best two nodes (here a chain of two) cost its drafter two levels of the whole tree's
+    rows (the drafter expands two nodes a level whatever it keeps): ``auto`` learns the level cost at those rows, as
+    it prices the cut, not at the one row a chain of two would have."""
+    measured: list[tuple[int, int]] = []
+
+    class Recording(CyclingController):
+        def observe_round(self, positions, forward_s, draft_levels, draft_s, other_s, rows=1, call_s=None) -> None:
+            if draft_levels:
+                measured.append((draft_levels, rows))
+            super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
+
+    class SizedVerifier(FakeVerifier):
+        async def verify(self, sequence_id: str, drafted: Drafted | None, **options: bool) -> Verified:
+            verified = await super().verify(sequence_id, drafted, **options)
+            return replace(verified, forward_positions=1 + (len(drafted.tree) if drafted else 0))
+
+    placement = FakePlacement([SizedVerifier()], [FakeDrafter()])
+    plan = replace(make_plan("auto", max_tokens=30), shape=DraftShape(4, tree_width=2, tree_budget=8))
+
+    async def emit(chunk: Chunk) -> None:
+        pass
+
+    controller = Recording(lengths=(2,), pipelining=(False,))
+    asyncio.run(Session(plan, placement, emit, sequence_id="s", controller=controller).run())
+    assert (2, 2) in measured and set(measured) <= {(2, 2), (1, 2)}
+    assert_clean(placement)
+
+
 def test_auto_leaves_the_wait_at_the_verifier_out_of_a_rounds_fixed_cost() -> None:
     """Under load a round mostly waits for the verifier's forward to start; counted as a fixed cost, that wait made
     every extra position look cheap next to it, and ``auto`` drafted where the verifier was the bottleneck."""
