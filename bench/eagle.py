@@ -5,9 +5,9 @@ first ``--num-prompts`` taking categories in turn) through the chat template; fl
 one uncounted warm-up request per configuration, configurations interleaved prompt by prompt (drifting machine
 load hits all alike). Sections (``--sections``, default all; ``budgets`` needs ``--budget-heads``):
 
-* ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and 8 and five trees (depth 3,
-  width 2 or 3, 4 nodes; depth 4 or 5, width 2, 8 nodes; depth 6, width 3, 8 nodes: each verifies as many positions as
-  chain γ=4 / γ=8; greedy trees are dynamic, sampled ones spread over their levels:
+* ``acceptance``: greedy and temperature 0.7 (seeded per prompt), chains γ = 2..6 and 8 and seven trees (depth 3,
+  width 2 or 3, 4 nodes; depth 4, width 2, 3 or 4, 8 nodes; depth 5, width 2, and depth 6, width 3, 8 nodes: each
+  verifies as many positions as chain γ=4 / γ=8; greedy trees are dynamic, sampled ones spread over their levels:
   :class:`specdec.drafters.model.TreeDraft`) of the head: acceptance rate, acc@i, mean accepted length, draft and
   target-forward cost;
 * ``agreement``: the head's teacher-forced agreement as served, one draft at every position of the target's greedy
@@ -19,7 +19,7 @@ load hits all alike). Sections (``--sections``, default all; ``budgets`` needs `
   :data:`LOOKUP_SHAPES` with int8 and prompt lookup (the eagle drafter's default; every other eagle row runs the head
   alone); then target-only vs eagle γ=4 (float32, int8, int8 + lookup) at temperature 0.7;
 * ``trees``: greedy, the head as served (int8 draft layers, prompt lookup): chains γ = 3, 4 and 8 beside the dynamic
-  trees of 4 nodes (depth 3, width 2 and 3) and of 8 (depth 4 or 5, width 2; depth 6, width 3), and
+  trees of 4 nodes (depth 3, width 2 and 3) and of 8 (depth 4, width 2, 3 and 4; depth 5, width 2), and
   target-only;
 * ``lookup``: per category, greedy and temperature 0.7, target-only against the int8 head at γ = 4 alone and with
   prompt lookup from each of :data:`LOOKUP_MIN_MATCHES` (the tail match that makes a round a lookup chain);
@@ -76,6 +76,8 @@ SHAPES = {  # each tree beside the chain that verifies as many positions (chain 
     "tree d3 w2 b4": DraftConfig(num_draft_tokens=3, tree_width=2, tree_budget=4),
     "tree d4 w2 b8": DraftConfig(num_draft_tokens=4, tree_width=2, tree_budget=8),
     "tree d5 w2 b8": DraftConfig(num_draft_tokens=5, tree_width=2, tree_budget=8),
+    "tree d4 w3 b8": DraftConfig(num_draft_tokens=4, tree_width=3, tree_budget=8),
+    "tree d4 w4 b8": DraftConfig(num_draft_tokens=4, tree_width=4, tree_budget=8),
     "tree d6 w3 b8": DraftConfig(num_draft_tokens=6, tree_width=3, tree_budget=8),  # greedy: deeper where sure
     "tree d3 w3 b4": DraftConfig(num_draft_tokens=3, tree_width=3, tree_budget=4),
 }
@@ -84,7 +86,7 @@ INT8_SHAPES = ("chain γ=2", "chain γ=3", BUDGET_SHAPE, "tree d3 w2 b4", "tree 
 LOOKUP_SHAPES = (BUDGET_SHAPE, "tree d3 w2 b4", "tree d4 w2 b8")  # ... int8 head + prompt lookup (served default)
 TREE_SHAPES = (  # the trees section
     *("chain γ=3", BUDGET_SHAPE, "chain γ=8", "tree d3 w2 b4", "tree d3 w3 b4"),
-    *("tree d4 w2 b8", "tree d5 w2 b8", "tree d6 w3 b8"),
+    *("tree d4 w2 b8", "tree d4 w3 b8", "tree d4 w4 b8", "tree d5 w2 b8"),
 )
 LOOKUP_MIN_MATCHES = (0, 3, 5)  # the lookup section: the head alone, then prompt lookup from these tail matches
 TRAINING_KEYS = ("features", "train_minutes", "data_minutes", "training_tokens", "tokens_seen")  # train-summary.json
