@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from grpc_common.errors import status_for
 from grpc_common.metrics import LoopCounter, LoopHistogram, LoopMetrics, log_buckets, service_registry
@@ -52,7 +52,7 @@ class RouterMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = service_registry()
-        loop = LoopMetrics(self.registry)  # every counter and histogram: updated on the router's event loop only
+        loop = LoopMetrics(self.registry)  # the series updated on the router's event loop only
         model = ["model_name"]
 
         def counter(name: str, documentation: str) -> LoopCounter:
@@ -129,7 +129,10 @@ class RouterMetrics:
         self.drafter_fallbacks = loop.counter(
             "specdec:drafter_fallbacks", "Finished requests that went target-only (drafter failed or none free)."
         ).labels()
-        self._request_failure = loop.counter("specdec:request_failure", "Failed requests by gRPC status.", ["code"])
+        # counted also where a request is refused while it is tokenized, off the loop: a locked series
+        self._request_failure = Counter(
+            "specdec:request_failure", "Failed requests by gRPC status.", ["code"], registry=self.registry
+        )
         self._model_name = model_name
         self._accepted_per_pos_children: list[LoopCounter] = []  # by position: labels() costs a lookup every round
 
