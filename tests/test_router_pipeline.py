@@ -129,6 +129,15 @@ class FakeVerifier:
         self.sequences.pop(sequence_id, None)
 
 
+class SizedVerifier(FakeVerifier):
+    """Says how many positions each forward held: this call's proposal and its pending token (``auto`` learns costs
+    only from forwards the verifier sized)."""
+
+    async def verify(self, sequence_id: str, drafted: Drafted | None, **options: bool) -> Verified:
+        verified = await super().verify(sequence_id, drafted, **options)
+        return replace(verified, forward_positions=1 + (len(drafted.tree) if drafted else 0))
+
+
 class FakeDrafter:
     """Guesses the target's next tokens, wrong wherever ``wrong(context)``; follows Commit like a real drafter.
 
@@ -806,11 +815,6 @@ def test_auto_measures_a_cut_dynamic_tree_as_it_prices_it() -> None:
                 measured.append((draft_levels, rows))
             super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
 
-    class SizedVerifier(FakeVerifier):
-        async def verify(self, sequence_id: str, drafted: Drafted | None, **options: bool) -> Verified:
-            verified = await super().verify(sequence_id, drafted, **options)
-            return replace(verified, forward_positions=1 + (len(drafted.tree) if drafted else 0))
-
     placement = FakePlacement([SizedVerifier()], [FakeDrafter()])
     plan = replace(make_plan("auto", max_tokens=30), shape=DraftShape(4, tree_width=2, tree_budget=8))
 
@@ -862,11 +866,6 @@ def test_auto_learns_no_draft_level_cost_from_a_model_free_proposal_or_the_draft
             rounds.append((draft_levels, call_s))
             super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
 
-    class SizedVerifier(FakeVerifier):
-        async def verify(self, sequence_id: str, drafted: Drafted | None, **options: bool) -> Verified:
-            verified = await super().verify(sequence_id, drafted, **options)
-            return replace(verified, forward_positions=1 + (len(drafted.tree) if drafted else 0))
-
     model_free = [False, False, True, False, False, False, True, True, False, False]
 
     class LookupDrafter(FakeDrafter):  # every proposal it answers is model-free or not by ``model_free`` in turn
@@ -906,11 +905,6 @@ def test_auto_learns_a_draft_levels_cost_only_from_a_draft_that_follows_a_drafti
         def observe_round(self, positions, forward_s, draft_levels, draft_s, other_s, rows=1, call_s=None) -> None:
             rounds.append((draft_levels, call_s))
             super().observe_round(positions, forward_s, draft_levels, draft_s, other_s, rows, call_s)
-
-    class SizedVerifier(FakeVerifier):  # reports its forward's size, as a real verifier does
-        async def verify(self, sequence_id: str, drafted: Drafted | None, **options: bool) -> Verified:
-            verified = await super().verify(sequence_id, drafted, **options)
-            return replace(verified, forward_positions=1 + (len(drafted.tree) if drafted else 0))
 
     placement = FakePlacement([SizedVerifier()], [FakeDrafter()])
     controller = Recording(lengths=(0, 0, 2, 2, 0, 1, 1, 1), pipelining=(False,))
