@@ -203,12 +203,13 @@ def rows_per_level(nodes: int, depth: int) -> int:
 
 
 def drafted_work(nodes: int, depth: int, dynamic_tree: tuple[int, int] | None = None) -> tuple[int, int]:
-    """The draft levels a sent draft of ``nodes`` nodes ``depth`` levels deep cost, and its rows per level, as
-    :meth:`SpeculationController.choose` prices them, so that what a round is measured against is what the next is
-    planned with. A dynamic tree (``dynamic_tree``: the depth and nodes of its whole shape) cut to its best ``nodes``
-    ran ``min(depth, nodes)`` levels of the whole tree's rows, whatever shape the kept nodes make: its drafter expands
-    the likeliest nodes of every level and keeps the best afterwards. (Taken as the cut tree's own depth and rows, a
-    cut to two siblings charged two levels' time to one.) Any other draft: its own depth, :func:`rows_per_level`."""
+    """The draft levels a sent draft of ``nodes`` nodes ``depth`` levels deep cost, and its rows per level: the one
+    rule :meth:`SpeculationController.choose` prices drafts by and rounds are measured by, so that what a round is
+    measured against is what the next is planned with. A dynamic tree (``dynamic_tree``: the depth and nodes of its
+    whole shape) cut to its best ``nodes`` ran ``min(depth, nodes)`` levels of the whole tree's rows, whatever shape
+    the kept nodes make: its drafter expands the likeliest nodes of every level and keeps the best afterwards. (Taken
+    as the cut tree's own depth and rows, a cut to two siblings charged two levels' time to one.) Any other draft:
+    its own depth, :func:`rows_per_level`."""
     if dynamic_tree is None or nodes < 1:
         return depth, rows_per_level(nodes, depth)
     whole_depth, whole_nodes = dynamic_tree
@@ -577,20 +578,22 @@ class SpeculationController:
         """
         # (-gain per position, order within the request, request, positions added, draft levels, length it sets)
         increments: list[tuple[float, int, int, int, int, int]] = []
-        # each request's rows per draft level, once it drafts; a cut dynamic tree is priced at the whole tree's rows:
-        # its drafter expands the tree_width likeliest nodes of every level whatever budget it keeps afterwards
+        # each request's rows per draft level, once it drafts; a cut dynamic tree's levels and rows are those of
+        # drafted_work (the whole tree's rows), the rule its rounds are measured by
         rows_of = []
         for index, candidate in enumerate(candidates):
             length = min(candidate.max_length, candidate.tracker.max_length)
             nodes = candidate.tree_nodes
-            rows_of.append(1 if nodes is None else rows_per_level(nodes, length))
+            dynamic = (length, nodes) if nodes is not None and candidate.ranks is not None else None
+            rows_of.append(1 if nodes is None else drafted_work(nodes, length, dynamic)[1])
             if nodes is None:
                 gains = candidate.tracker.gains(length)
                 increments.extend((-gain, level, index, 1, level + 1, level + 1) for level, gain in enumerate(gains))
             elif length > 0 and candidate.ranks is not None:  # a dynamic tree: its best ``rank + 1`` nodes
                 gains = candidate.ranks.gains(nodes)
                 increments.extend(
-                    (-gain, rank, index, 1, min(length, rank + 1), rank + 1) for rank, gain in enumerate(gains)
+                    (-gain, rank, index, 1, drafted_work(rank + 1, length, dynamic)[0], rank + 1)
+                    for rank, gain in enumerate(gains)
                 )
             elif length > 0 and nodes > 0:  # any other tree: whole
                 gain = sum(candidate.tracker.gains(length))
