@@ -63,8 +63,11 @@ SeriesT = TypeVar("SeriesT", LoopCounter, LoopHistogram)
 class LoopFamily(Generic[SeriesT]):
     """A :class:`LoopMetrics` counter or histogram: its series by label values."""
 
-    def __init__(self, name: str, labelnames: Sequence[str], new_series: Callable[[], SeriesT]) -> None:
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], new_series: Callable[[], SeriesT]
+    ) -> None:
         self.name = name
+        self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._new_series = new_series
         self.series: dict[tuple[str, ...], SeriesT] = {}
@@ -88,13 +91,13 @@ class LoopMetrics(Collector):
     ``registry`` as one collector."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._counters: list[tuple[LoopFamily[LoopCounter], str]] = []
-        self._histograms: list[tuple[LoopFamily[LoopHistogram], str]] = []
+        self._counters: list[LoopFamily[LoopCounter]] = []
+        self._histograms: list[LoopFamily[LoopHistogram]] = []
         registry.register(self)
 
     def counter(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> LoopFamily[LoopCounter]:
-        family = LoopFamily(name, labelnames, LoopCounter)
-        self._counters.append((family, documentation))
+        family = LoopFamily(name, documentation, labelnames, LoopCounter)
+        self._counters.append(family)
         return family
 
     def histogram(
@@ -103,18 +106,18 @@ class LoopMetrics(Collector):
         bounds = tuple(sorted(float(bound) for bound in buckets))
         if bounds[-1] != math.inf:
             bounds += (math.inf,)
-        family = LoopFamily(name, labelnames, lambda: LoopHistogram(bounds))
-        self._histograms.append((family, documentation))
+        family = LoopFamily(name, documentation, labelnames, lambda: LoopHistogram(bounds))
+        self._histograms.append(family)
         return family
 
     def collect(self) -> Iterator[Metric]:
-        for counters, documentation in self._counters:
-            counter = CounterMetricFamily(counters.name, documentation, labels=counters.labelnames)
+        for counters in self._counters:
+            counter = CounterMetricFamily(counters.name, counters.documentation, labels=counters.labelnames)
             for values, series in list(counters.series.items()):
                 counter.add_metric(values, series.value)
             yield counter
-        for histograms, documentation in self._histograms:
-            histogram = HistogramMetricFamily(histograms.name, documentation, labels=histograms.labelnames)
+        for histograms in self._histograms:
+            histogram = HistogramMetricFamily(histograms.name, histograms.documentation, labels=histograms.labelnames)
             for values, series in list(histograms.series.items()):
                 cumulative = itertools.accumulate(list(series.counts))
                 buckets = [(floatToGoString(b), c) for b, c in zip(series.bounds, cumulative, strict=True)]

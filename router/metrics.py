@@ -64,6 +64,9 @@ class RouterMetrics:
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> LoopHistogram:
             return loop.histogram(name, documentation, buckets, model).labels(model_name)
 
+        def own_counter(name: str, documentation: str) -> LoopCounter:  # the router's own series: no model label
+            return loop.counter(name, documentation).labels()
+
         def own_histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> LoopHistogram:
             return loop.histogram(name, documentation, buckets).labels()
 
@@ -111,14 +114,12 @@ class RouterMetrics:
             "Draft tokens (tree nodes) verified per round, target-only rounds included (auto: the lengths chosen).",
             DRAFT_SIZE_BUCKETS,
         )
-        self.pipeline_hits = loop.counter(
-            "specdec:pipeline_hits", "Pipelined rounds whose pre-drafted chain was used."
-        ).labels()
-        self.pipeline_rejection_hits = loop.counter(
+        self.pipeline_hits = own_counter("specdec:pipeline_hits", "Pipelined rounds whose pre-drafted chain was used.")
+        self.pipeline_rejection_hits = own_counter(
             "specdec:pipeline_rejection_hits",
             "Pipeline hits whose pre-draft was prepared for a rejection verdict (multi-outcome pre-drafting).",
-        ).labels()
-        self.pipeline_misses = loop.counter("specdec:pipeline_misses", "Pipelined rounds that discarded it.").labels()
+        )
+        self.pipeline_misses = own_counter("specdec:pipeline_misses", "Pipelined rounds that discarded it.")
         wire_bytes = loop.counter(
             "specdec:wire_bytes",
             "Bytes of proposals (draft) and verdicts (verdict) received, and of the verdicts' target feature rows "
@@ -126,9 +127,9 @@ class RouterMetrics:
             ["direction"],
         )
         self._wire_bytes = {direction: wire_bytes.labels(direction) for direction in WIRE_DIRECTIONS}
-        self.drafter_fallbacks = loop.counter(
+        self.drafter_fallbacks = own_counter(
             "specdec:drafter_fallbacks", "Finished requests that went target-only (drafter failed or none free)."
-        ).labels()
+        )
         # counted also where a request is refused while it is tokenized, off the loop: a locked series
         self._request_failure = Counter(
             "specdec:request_failure", "Failed requests by gRPC status.", ["code"], registry=self.registry
