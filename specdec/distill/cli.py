@@ -22,7 +22,13 @@ def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argpar
         default=1,
         help="responses the target writes to each training prompt; those past the first are sampled at T=0.7",
     )
-    parser.add_argument("--batch-size", type=int, default=48, help="sequences generated together")
+    parser.add_argument("--batch-size", type=int, default=96, help="sequences generated together")
+    parser.add_argument(  # bfloat16: 2.2x the float32 tokens/s on a CPU with AMX, heads as good (README)
+        "--data-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the target's dtype while it writes training data (auto: bfloat16 where it runs >= 1.5x faster)",
+    )
     parser.add_argument("--steps", type=int, help="training steps (deterministic budget)")
     parser.add_argument("--minutes", type=float, help="training time budget (default 10 when --steps is not given)")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size K")

@@ -17,6 +17,8 @@ Stages, each resumable (rerunning the same command continues where a killed one 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import random
 import sys
@@ -34,6 +36,7 @@ from specdec.distill.data import (
     ShardWriter,
     encode_chat,
     generate_examples,
+    generation_dtype,
     read_conversations,
     read_shards,
     teacher_force_examples,
@@ -76,7 +79,8 @@ def run_distill(args: argparse.Namespace) -> int:
     data_dir = distill_data_dir(args.target) if args.data is None else out / "data"
     started = time.monotonic()
     fused = args.features == "fused"
-    train_examples, held_out = collect_data(target, args, data_dir, fused=fused)
+    data_dtype = generation_dtype(args.data_dtype, target.model)
+    train_examples, held_out = collect_data(target, args, data_dir, fused=fused, dtype=data_dtype)
     data_minutes = (time.monotonic() - started) / 60
     vocab = _draft_vocab(out, train_examples, args.draft_vocab, target)
     feature_layers = eagle3_layers(int(target.model.config.num_hidden_layers)) if fused else ()
@@ -114,6 +118,7 @@ def run_distill(args: argparse.Namespace) -> int:
             "tokens_seen": seen[0],
             "draft_vocab": len(vocab),
             "data_minutes": round(data_minutes, 2),
+            "data_dtype": str(data_dtype).removeprefix("torch."),
             "train_minutes": round((time.monotonic() - train_started) / 60, 2),
             "held_out_agreement": [round(a, 4) for a in result.agree],
         }
@@ -150,14 +155,23 @@ def _write_summary(directory: Path, summary: dict) -> None:
 
 
 def collect_data(
-    target: LoadedModel, args: argparse.Namespace, data_dir: Path, *, fused: bool
+    target: LoadedModel, args: argparse.Namespace, data_dir: Path, *, fused: bool, dtype: torch.dtype
 ) -> tuple[list[Example], list[Example]]:
     """Training and held-out examples: what the cache holds, plus what the time budget adds (``fused``: with the
-    fused layers' rows, which only a fused head reads)."""
+    fused layers' rows, which only a fused head reads). The target makes the held-out examples as it is loaded (they
+    rank checkpoints, so they are what serving sees) and the training examples in ``dtype``
+    (:func:`~specdec.distill.data.generation_dtype`), a copy made only if there are any to make."""
     if target.tokenizer is None:
         raise InvalidArgumentError("target", f"{target.name!r} has no tokenizer to apply the chat template")
     runner = KVRunner(target.model)
     fused_layers = eagle3_layers(runner.num_layers)  # kept beside the final norm's rows: either head kind trains
+
+    @functools.cache
+    def train_runner() -> KVRunner:
+        if next(target.model.parameters()).dtype == dtype:
+            return runner
+        return KVRunner(copy.deepcopy(target.model).to(dtype))
+
     deadline = time.monotonic() + args.data_minutes * 60
     if args.data is not None:
         conversations = read_conversations(args.data)
@@ -165,13 +179,13 @@ def collect_data(
         cut = max(1, len(conversations) // 20)  # 5 % held out
         splits = {"heldout": conversations[:cut], "train": conversations[cut:]}
 
-        def teacher_force(todo: list[Conversation]) -> Iterator[Example]:
+        def teacher_force(todo: list[Conversation], generator: KVRunner) -> Iterator[Example]:
             return teacher_force_examples(
-                runner, target.tokenizer, todo, max_tokens=args.max_tokens, fused_layers=fused_layers
+                generator, target.tokenizer, todo, max_tokens=args.max_tokens, fused_layers=fused_layers
             )
 
-        for split, rows in splits.items():
-            _fill(data_dir / split, rows, teacher_force)
+        _fill(data_dir / "heldout", splits["heldout"], lambda t: teacher_force(t, runner))
+        _fill(data_dir / "train", splits["train"], lambda t: teacher_force(t, train_runner()))
         return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
     held = [Conversation(r.id, r.messages) for r in load_prompt_set("heldout")[: args.held_out_prompts]]
     train_rows = load_prompt_set("train")
@@ -182,10 +196,10 @@ def collect_data(
         for r in train_rows
     ]
 
-    def generate(todo: list[Conversation], until: float | None) -> Iterator[Example]:
+    def generate(todo: list[Conversation], generator: KVRunner, until: float | None) -> Iterator[Example]:
         prompts = [(c.id, encode_chat(target.tokenizer, c.messages)) for c in todo]
         return generate_examples(
-            runner,
+            generator,
             target.eos_token_ids,
             prompts,
             max_tokens=args.max_tokens,
@@ -196,8 +210,8 @@ def collect_data(
             fused_layers=fused_layers,
         )
 
-    _fill(data_dir / "heldout", held, lambda t: generate(t, None))
-    _fill(data_dir / "train", train_conversations, lambda t: generate(t, deadline))
+    _fill(data_dir / "heldout", held, lambda t: generate(t, runner, None))
+    _fill(data_dir / "train", train_conversations, lambda t: generate(t, train_runner(), deadline))
     return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
 
 
