@@ -80,6 +80,7 @@ def run_distill(args: argparse.Namespace) -> int:
     started = time.monotonic()
     fused = args.features == "fused"
     data_dtype = generation_dtype(args.data_dtype, target.model)
+    print(f"training data in {_name(data_dtype)} (--data-dtype {args.data_dtype})", file=sys.stderr)
     train_examples, held_out = collect_data(target, args, data_dir, fused=fused, dtype=data_dtype)
     data_minutes = (time.monotonic() - started) / 60
     vocab = _draft_vocab(out, train_examples, args.draft_vocab, target)
@@ -118,7 +119,7 @@ def run_distill(args: argparse.Namespace) -> int:
             "tokens_seen": seen[0],
             "draft_vocab": len(vocab),
             "data_minutes": round(data_minutes, 2),
-            "data_dtype": str(data_dtype).removeprefix("torch."),
+            "data_dtype": _name(data_dtype),
             "train_minutes": round((time.monotonic() - train_started) / 60, 2),
             "held_out_agreement": [round(a, 4) for a in result.agree],
         }
@@ -260,6 +261,10 @@ def _draft_vocab(out: Path, examples: list[Example], size: int, target: LoadedMo
     vocab = choose_draft_vocab(examples, size, target.vocab_size, sorted(target.eos_token_ids))
     torch.save(vocab, path)
     return vocab
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _fmt(values: tuple[float, ...]) -> str:

@@ -100,26 +100,32 @@ def generation_dtype(
     return torch.bfloat16 if (speedup or bfloat16_speedup)(model) >= BFLOAT16_PAYS else torch.float32
 
 
-def bfloat16_speedup(model: PreTrainedModel, rows: int = 96, repeats: int = 5) -> float:
+def bfloat16_speedup(model: PreTrainedModel, rows: int = 96, repeats: int = 7) -> float:
     """float32 time over bfloat16 time of a matrix multiply the size of ``model``'s MLP projections over ``rows``
-    rows (a decode step of a full generation batch), best of ``repeats``, on the model's device: about 4 on a
-    2-core Xeon with AMX (SmolLM2, 96 rows)."""
+    rows (a decode step of a full generation batch), on the model's device: about 4 on a 2-core Xeon with AMX
+    (SmolLM2, 96 rows). Each dtype is warmed up, then the two are timed in turn ``repeats`` times and each keeps its
+    best, so a stall of the machine (page reclaim while a large model loads) slows one repeat, not one dtype: timed
+    as two blocks, it once returned 76 on that Xeon and another time chose float32 there."""
     device = next(model.parameters()).device
     hidden, width = int(model.config.hidden_size), int(model.config.intermediate_size)
-    seconds = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        rows_in = torch.randn(rows, hidden, device=device, dtype=dtype)
-        weight = torch.randn(width, hidden, device=device, dtype=dtype)
-        best = math.inf
-        for _ in range(repeats):
+    operands = {
+        dtype: (
+            torch.randn(rows, hidden, device=device, dtype=dtype),
+            torch.randn(width, hidden, device=device, dtype=dtype),
+        )
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    best = dict.fromkeys(operands, math.inf)
+    for repeat in range(repeats + 1):  # the first round warms up (kernel choice, thread pools), untimed
+        for dtype, (rows_in, weight) in operands.items():
             _synchronize(device)
             start = time.perf_counter()
             for _ in range(10):
                 F.linear(rows_in, weight)
             _synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        seconds[dtype] = best
-    return seconds[torch.float32] / seconds[torch.bfloat16]
+            if repeat:
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def _synchronize(device: torch.device) -> None:
