@@ -104,8 +104,9 @@ def bfloat16_speedup(model: PreTrainedModel, rows: int = 96, repeats: int = 7) -
     """float32 time over bfloat16 time of a matrix multiply the size of ``model``'s MLP projections over ``rows``
     rows (a decode step of a full generation batch), on the model's device: about 4 on a 2-core Xeon with AMX
     (SmolLM2, 96 rows). Each dtype is warmed up, then the two are timed in turn ``repeats`` times and each keeps its
-    best, so a stall of the machine (page reclaim while a large model loads) slows one repeat, not one dtype: timed
-    as two blocks, it once returned 76 on that Xeon and another time chose float32 there."""
+    best, so a stall of the machine (page reclaim while a large model loads) slows one repeat, not one dtype. Timed
+    as two blocks it once returned 76 on that Xeon, and a ``specdec distill`` run there chose float32 (its cause not
+    pinned down; a stall in the bfloat16 block would do it)."""
     device = next(model.parameters()).device
     hidden, width = int(model.config.hidden_size), int(model.config.intermediate_size)
     operands = {
