@@ -37,6 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.drafters.base import Proposal
 from specdec.errors import InvalidArgumentError
+from specdec.precision import check_data_dtype
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -82,7 +83,6 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str,
     )
 
 
-DATA_DTYPES = ("auto", "float32", "bfloat16")
 BFLOAT16_PAYS = 1.5  # "auto" generates in bfloat16 where the target's matrix multiplies run this much faster in it
 
 
@@ -93,9 +93,7 @@ def generation_dtype(
     ``"auto"`` bfloat16 where ``speedup(model)`` (default :func:`bfloat16_speedup`) is at least
     :data:`BFLOAT16_PAYS` (CPUs with AMX, GPUs), float32 elsewhere (without hardware for it, bfloat16 arithmetic
     is emulated and slower)."""
-    if choice not in DATA_DTYPES:
-        raise InvalidArgumentError("data_dtype", f"must be one of {', '.join(DATA_DTYPES)}, got {choice!r}")
-    if choice != "auto":
+    if check_data_dtype(choice) != "auto":
         return getattr(torch, choice)
     return torch.bfloat16 if (speedup or bfloat16_speedup)(model) >= BFLOAT16_PAYS else torch.float32
 
