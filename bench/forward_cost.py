@@ -35,15 +35,10 @@ from bench.arguments import comma_ints, comma_names
 from bench.load.report import run_metadata, write_report
 from specdec.errors import InvalidArgumentError
 from specdec.linear import can_pack
-from specdec.models import load_model, quiet_model_loading
+from specdec.models import load_model, quiet_model_loading, synchronize
 from specdec.precision import check_dtype
 from specdec.runner import ForwardItem, KVRunner
 from specdec.tree import TokenTree
-
-
-def _synchronise(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_forwards(
@@ -81,11 +76,11 @@ def time_forwards(
         for _ in range(repeats):
             for count in positions:
                 for name, runner in runners.items():
-                    _synchronise(device)
+                    synchronize(device)
                     start = time.perf_counter()
                     for _ in range(number):
                         runner.forward(items[name, count])
-                    _synchronise(device)
+                    synchronize(device)
                     times[name, count].append(1e3 * (time.perf_counter() - start) / number)
         return times
     finally:

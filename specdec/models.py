@@ -105,6 +105,13 @@ def usable_device(device: str | torch.device) -> torch.device:
     return parsed
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs asynchronously; a CPU queues none): what a timing does
+    before it reads the clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _local_model(name: str, directory: Path, kwargs: dict[str, str], dtype: torch.dtype) -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)

@@ -37,6 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.drafters.base import Proposal
 from specdec.errors import InvalidArgumentError
+from specdec.models import synchronize
 from specdec.precision import check_data_dtype
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
@@ -117,19 +118,14 @@ def bfloat16_speedup(model: PreTrainedModel, rows: int = 96, repeats: int = 7) -
     best = dict.fromkeys(operands, math.inf)
     for repeat in range(repeats + 1):  # the first round warms up (kernel choice, thread pools), untimed
         for dtype, (rows_in, weight) in operands.items():
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             for _ in range(10):
                 F.linear(rows_in, weight)
-            _synchronize(device)
+            synchronize(device)
             if repeat:
                 best[dtype] = min(best[dtype], time.perf_counter() - start)
     return best[torch.float32] / best[torch.bfloat16]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def generate_examples(
