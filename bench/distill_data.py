@@ -14,7 +14,6 @@ answer that meets a near-tie follows another path from there (the rows stay the 
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 
 from bench.arguments import comma_ints, comma_names
 from bench.load.report import run_metadata, write_report
-from specdec.distill.data import encode_chat, generate_examples
+from specdec.distill.data import encode_chat, generate_examples, model_in_dtype
 from specdec.distill.prompts import load_prompt_set
 from specdec.drafters.eagle_head import eagle3_layers
 from specdec.models import load_model, quiet_model_loading
@@ -37,10 +36,7 @@ from specdec.sampling import SamplingParams
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per (dtype, batch size): tokens/s per repeat, and responses identical to float32's."""
     target = load_model(args.target, device=args.device)
-    runners = {
-        name: KVRunner(target.model if name == "float32" else copy.deepcopy(target.model).to(getattr(torch, name)))
-        for name in args.dtypes
-    }
+    runners = {name: KVRunner(model_in_dtype(target.model, getattr(torch, name))) for name in args.dtypes}
     prompts = [(row.id, encode_chat(target.tokenizer, row.messages)) for row in load_prompt_set("train")]
     prompts = prompts[: args.prompts]
     speeds: dict[tuple[str, int], list[float]] = {}

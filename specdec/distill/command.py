@@ -17,7 +17,6 @@ Stages, each resumable (rerunning the same command continues where a killed one 
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import json
 import random
@@ -37,6 +36,7 @@ from specdec.distill.data import (
     encode_chat,
     generate_examples,
     generation_dtype,
+    model_in_dtype,
     read_conversations,
     read_shards,
     teacher_force_examples,
@@ -169,9 +169,8 @@ def collect_data(
 
     @functools.cache
     def train_runner() -> KVRunner:
-        if next(target.model.parameters()).dtype == dtype:
-            return runner
-        return KVRunner(copy.deepcopy(target.model).to(dtype))
+        model = model_in_dtype(target.model, dtype)
+        return runner if model is target.model else KVRunner(model)
 
     deadline = time.monotonic() + args.data_minutes * 60
     if args.data is not None:

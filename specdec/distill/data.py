@@ -24,6 +24,7 @@ by its time budget keeps its finished shards and a rerun skips the records alrea
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -97,6 +98,12 @@ def generation_dtype(
     if check_data_dtype(choice) != "auto":
         return getattr(torch, choice)
     return torch.bfloat16 if (speedup or bfloat16_speedup)(model) >= BFLOAT16_PAYS else torch.float32
+
+
+def model_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """What generates training data in ``dtype`` (:func:`generation_dtype`): ``model`` itself when it is in ``dtype``,
+    else a copy of it in ``dtype`` (the model as loaded stays as it is: the head and the held-out data read it)."""
+    return model if next(model.parameters()).dtype == dtype else copy.deepcopy(model).to(dtype)
 
 
 def bfloat16_speedup(model: PreTrainedModel, rows: int = 96, repeats: int = 7) -> float:
