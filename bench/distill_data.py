@@ -1,5 +1,5 @@
-"""How fast ``specdec distill``'s target writes training data, by dtype and batch size: what ``--data-dtype`` and
-``--batch-size`` buy.
+"""How fast ``specdec distill`` computes, by dtype: its target writing training data (by batch size too) and its head
+training on them: what ``--data-dtype``, ``--batch-size`` and ``--train-dtype`` buy.
 
 The target answers the same ``--prompts`` training prompts of the shipped set (greedy, at most ``--max-tokens``
 tokens each, with the feature rows an EAGLE-3 head trains on) through :func:`specdec.distill.data.generate_examples`,
@@ -7,6 +7,11 @@ once per (dtype, batch size) in each of ``--repeats`` interleaved repeats: float
 copy of it (what ``--data-dtype bfloat16`` runs). A cell is response tokens per second (median over repeats) and the
 fraction of responses identical to float32's at the same batch size: bfloat16 rounds differently, and a greedy
 answer that meets a near-tie follows another path from there (the rows stay the target's, up to bfloat16).
+
+Then a fresh EAGLE-3 head (``specdec distill``'s defaults) trains ``--train-steps`` steps on float32's examples in
+each dtype (bfloat16: under autocast), in each repeat, the same batches in the same order: steps/s and response
+tokens trained per second. The report also gives :func:`~specdec.distill.dtypes.bfloat16_speedup` as measured here
+and what ``auto`` chooses from it for ``--data-dtype`` and ``--train-dtype``.
 
     python -m bench.distill_data --batch-sizes 48,96 --result-dir bench/results
 """
@@ -25,22 +30,25 @@ import torch
 
 from bench.arguments import comma_ints, comma_names
 from bench.load.report import run_metadata, write_report
-from specdec.distill.data import encode_chat, generate_examples, model_in_dtype
+from specdec.distill.data import Example, encode_chat, generate_examples
+from specdec.distill.dtypes import bfloat16_speedup, generation_dtype, model_in_dtype, training_dtype
 from specdec.distill.prompts import load_prompt_set
-from specdec.drafters.eagle_head import eagle3_layers
-from specdec.models import load_model, quiet_model_loading
+from specdec.distill.train import TrainConfig, choose_draft_vocab, make_batches, train
+from specdec.drafters.eagle_head import EagleHead, eagle3_layers
+from specdec.models import LoadedModel, load_model, quiet_model_loading
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 
 
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per (dtype, batch size): tokens/s per repeat, and responses identical to float32's."""
-    target = load_model(args.target, device=args.device)
+def measure(args: argparse.Namespace, target: LoadedModel) -> tuple[list[dict[str, Any]], list[Example]]:
+    """One row per (dtype, batch size): tokens/s per repeat, and responses identical to float32's; and the examples
+    float32 wrote at its largest batch size (what the training section trains on)."""
     runners = {name: KVRunner(model_in_dtype(target.model, getattr(torch, name))) for name in args.dtypes}
     prompts = [(row.id, encode_chat(target.tokenizer, row.messages)) for row in load_prompt_set("train")]
     prompts = prompts[: args.prompts]
     speeds: dict[tuple[str, int], list[float]] = {}
     responses: dict[tuple[str, int], dict[str, list[int]]] = {}
+    examples: list[Example] = []
     for _ in range(args.repeats):
         for batch_size in args.batch_sizes:
             for name, runner in runners.items():
@@ -57,6 +65,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 ):
                     tokens += example.response_length
                     answers[example.id] = example.token_ids.tolist()
+                    if name == "float32" and batch_size == max(args.batch_sizes) and len(examples) < len(prompts):
+                        examples.append(example)
                 speeds.setdefault((name, batch_size), []).append(tokens / (time.perf_counter() - start))
                 responses[name, batch_size] = answers
                 print(f"{name} batch {batch_size}: {speeds[name, batch_size][-1]:.0f} tokens/s", file=sys.stderr)
@@ -74,7 +84,48 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "identical_to_float32": same,
             }
         )
-    return rows
+    return rows, examples
+
+
+def measure_training(args: argparse.Namespace, target: LoadedModel, examples: list[Example]) -> list[dict[str, Any]]:
+    """One row per dtype: a fresh head's ``--train-steps`` steps on ``examples``, timed in each repeat."""
+    vocab = choose_draft_vocab(examples, args.draft_vocab, target.vocab_size, sorted(target.eos_token_ids))
+    layers = eagle3_layers(int(target.model.config.num_hidden_layers))
+    batches = make_batches(examples, TrainConfig.batch_tokens, TrainConfig.max_length, fused=True)
+    tokens = sum(batch.num_tokens for batch in batches)
+    seconds: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for name in args.dtypes:
+            head = EagleHead.from_target(target.model, vocab, feature_layers=layers)
+            config = TrainConfig(steps=args.train_steps, bf16=name == "bfloat16", eval_every=args.train_steps + 1)
+            start = time.perf_counter()
+            train(head, batches, [], config)
+            seconds.setdefault(name, []).append(time.perf_counter() - start)
+            print(f"training in {name}: {args.train_steps / seconds[name][-1]:.2f} steps/s", file=sys.stderr)
+    tokens_per_step = tokens / len(batches)
+    return [
+        {
+            "dtype": name,
+            "steps_per_s": args.train_steps / statistics.median(samples),
+            "tokens_per_s": args.train_steps * tokens_per_step / statistics.median(samples),
+            "steps_per_s_samples": [args.train_steps / value for value in samples],
+        }
+        for name, samples in seconds.items()
+    ]
+
+
+def measure_all(args: argparse.Namespace) -> dict[str, Any]:
+    """The data rows, the training rows (unless ``--train-steps 0``), and what ``auto`` picks on this machine."""
+    target = load_model(args.target, device=args.device)
+    speedup = bfloat16_speedup(target.model)
+    rows, examples = measure(args, target)
+    return {
+        "rows": rows,
+        "training_rows": measure_training(args, target, examples) if args.train_steps > 0 else [],
+        "bfloat16_speedup": speedup,
+        "auto_data_dtype": str(generation_dtype("auto", target.model, lambda _: speedup)).removeprefix("torch."),
+        "auto_train_dtype": str(training_dtype("auto", target.model, lambda _: speedup)).removeprefix("torch."),
+    }
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -104,6 +155,28 @@ def markdown(document: dict[str, Any]) -> str:
         lines.append(
             f"| {row['dtype']} | {row['batch_size']} | {row['tokens_per_s']:.0f} | {ratio} | {same} | {samples} |"
         )
+    training = document["training_rows"]
+    if training:
+        first = training[0]
+        lines += [
+            "",
+            f"A fresh EAGLE-3 head trains {config['train_steps']} steps (`specdec distill`'s defaults) on float32's "
+            f"examples in each dtype (bfloat16: under autocast), median of {config['repeats']} interleaved repeats.",
+            "",
+            f"| training dtype | steps/s | response tokens/s | × {first['dtype']} | repeats (steps/s) |",
+            "|---|---|---|---|---|",
+        ]
+        for row in training:
+            samples = " ".join(f"{value:.2f}" for value in row["steps_per_s_samples"])
+            lines.append(
+                f"| {row['dtype']} | {row['steps_per_s']:.2f} | {row['tokens_per_s']:.0f} | "
+                f"{row['steps_per_s'] / first['steps_per_s']:.2f} | {samples} |"
+            )
+    lines += [
+        "",
+        f"`bfloat16_speedup` here: {document['bfloat16_speedup']:.2f}, so `auto` writes data in "
+        f"{document['auto_data_dtype']} and trains in {document['auto_train_dtype']}.",
+    ]
     if document["note"]:
         lines += ["", document["note"]]
     return "\n".join(lines) + "\n"
@@ -118,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=192, help="training prompts answered per run")
     parser.add_argument("--max-tokens", type=int, default=160, help="longest response (specdec distill's default)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--train-steps", type=int, default=20, help="head training steps per dtype (0: no training)")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="the head's draft vocabulary")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note", default="", help="a paragraph for the report")
     parser.add_argument("--result-dir", type=Path, default=Path("bench/results"))
@@ -128,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_model_loading()
     config = {key: value for key, value in vars(args).items() if key not in ("note", "result_dir", "name")}
     command = ["python", "-m", "bench.distill_data", *(argv if argv is not None else sys.argv[1:])]
-    document = {**run_metadata(args.name, command, config), "note": args.note, "rows": measure(args)}
+    document = {**run_metadata(args.name, command, config), "note": args.note, **measure_all(args)}
     write_report(args.result_dir, args.name, document, markdown(document))
     return 0
 

@@ -31,13 +31,14 @@ def check_draft_quantization(quantization: str) -> str:
     return quantization
 
 
-# What ``specdec distill``'s target writes training data in (:func:`~specdec.distill.data.generation_dtype`): ``auto``
-# bfloat16 where it runs measurably faster than float32, float32 elsewhere; or the one named.
-DATA_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+# What ``specdec distill`` computes in (:mod:`specdec.distill.dtypes`): the dtype its target writes training data in
+# (``--data-dtype``) and the one its head trains in (``--train-dtype``): ``auto`` bfloat16 where this machine runs it
+# measurably faster than float32, float32 elsewhere; or the one named.
+DISTILL_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 
 
-def check_data_dtype(dtype: str) -> str:
-    """``dtype`` when it names one of :data:`DATA_DTYPES`; InvalidArgumentError naming ``data_dtype`` otherwise."""
-    if dtype not in DATA_DTYPES:
-        raise InvalidArgumentError("data_dtype", f"must be one of {', '.join(DATA_DTYPES)}, got {dtype!r}")
+def check_distill_dtype(dtype: str, field: str) -> str:
+    """``dtype`` when it names one of :data:`DISTILL_DTYPES`; InvalidArgumentError naming ``field`` otherwise."""
+    if dtype not in DISTILL_DTYPES:
+        raise InvalidArgumentError(field, f"must be one of {', '.join(DISTILL_DTYPES)}, got {dtype!r}")
     return dtype

@@ -334,18 +334,24 @@ def test_eagle_context_bench_times_first_drafts_and_serves_long_prompts_exactly(
     assert "| 40 | last 4 |" in report and f"| last 4 | {rows[0]['tokens']} |" in report
 
 
-def test_distill_data_bench_times_both_dtypes_on_the_same_prompts(
+def test_distill_data_bench_times_both_dtypes_on_the_same_prompts_and_training_in_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import bench.distill_data
     from tests.tiny_models import smollm2
 
     monkeypatch.setattr(bench.distill_data, "load_model", lambda name, **_: smollm2())
-    argv = ["--prompts", "3", "--max-tokens", "4", "--repeats", "1", "--batch-sizes", "2",
-            "--result-dir", str(tmp_path), "--name", "data"]  # fmt: skip
+    argv = ["--prompts", "3", "--max-tokens", "4", "--repeats", "1", "--batch-sizes", "2", "--train-steps", "2",
+            "--draft-vocab", "256", "--result-dir", str(tmp_path), "--name", "data"]  # fmt: skip
     assert bench.distill_data.main(argv) == 0
-    rows = json.loads((tmp_path / "data.json").read_text())["rows"]
+    document = json.loads((tmp_path / "data.json").read_text())
+    rows = document["rows"]
     assert [(row["dtype"], row["batch_size"]) for row in rows] == [("float32", 2), ("bfloat16", 2)]
     assert all(row["tokens_per_s"] > 0 for row in rows)
     assert rows[0]["identical_to_float32"] == 1.0
-    assert "| bfloat16 | 2 |" in (tmp_path / "data.md").read_text()
+    training = document["training_rows"]
+    assert [row["dtype"] for row in training] == ["float32", "bfloat16"]
+    assert all(row["steps_per_s"] > 0 and row["tokens_per_s"] > 0 for row in training)
+    assert document["auto_train_dtype"] in ("float32", "bfloat16")
+    report = (tmp_path / "data.md").read_text()
+    assert "| bfloat16 | 2 |" in report and "| training dtype |" in report

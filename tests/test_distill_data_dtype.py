@@ -1,5 +1,6 @@
 """``specdec distill`` has the target write its training data in bfloat16 where that runs faster, and its held-out
-data (what ranks checkpoints) as loaded: :func:`specdec.distill.data.generation_dtype` and the data stage."""
+data (what ranks checkpoints) as loaded; the head trains under bfloat16 autocast where that runs faster:
+:mod:`specdec.distill.dtypes` and the data stage."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 import specdec.distill.command
 from specdec.cache import distill_data_dir
 from specdec.cli import main
-from specdec.distill.data import generate_examples, generation_dtype, read_shards
+from specdec.distill.data import generate_examples, read_shards
+from specdec.distill.dtypes import generation_dtype, training_dtype
 from specdec.errors import InvalidArgumentError
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
@@ -32,6 +34,21 @@ def test_auto_generates_in_bfloat16_only_where_it_runs_at_least_one_and_a_half_t
     assert generation_dtype("bfloat16", model, speedup=unmeasured) is torch.bfloat16
     with pytest.raises(InvalidArgumentError, match="data_dtype: must be one of auto, float32, bfloat16"):
         generation_dtype("float16", model)
+
+
+def test_auto_trains_under_bfloat16_autocast_only_where_it_runs_at_least_1_2_times_faster() -> None:
+    model = tiny_llama(seed=0).model
+
+    def unmeasured(_: object) -> float:
+        raise AssertionError("a named dtype is not measured")
+
+    assert training_dtype("auto", model, speedup=lambda _: 0.57) is torch.float32  # a Xeon without AMX
+    assert training_dtype("auto", model, speedup=lambda _: 1.19) is torch.float32
+    assert training_dtype("auto", model, speedup=lambda _: 1.2) is torch.bfloat16
+    assert training_dtype("float32", model, speedup=unmeasured) is torch.float32
+    assert training_dtype("bfloat16", model, speedup=unmeasured) is torch.bfloat16
+    with pytest.raises(InvalidArgumentError, match="train_dtype: must be one of auto, float32, bfloat16"):
+        training_dtype("float16", model)
 
 
 def final_rows_in_float32(runner: KVRunner, token_ids: torch.Tensor) -> torch.Tensor:
@@ -55,11 +72,12 @@ def test_training_data_comes_from_a_bfloat16_copy_and_held_out_data_from_the_tar
     monkeypatch.setattr(specdec.distill.command, "load_model", lambda name, **_: smollm2())
     argv = ["distill", "--target", SMOLLM2, "--data-dtype", "bfloat16", "--data-minutes", "0.15", "--max-tokens", "6",
             "--held-out-prompts", "2", "--batch-size", "4", "--steps", "1", "--draft-vocab", "256",
-            "--out", str(tmp_path / "head")]  # fmt: skip
+            "--fp32", "--out", str(tmp_path / "head")]  # fmt: skip
     status = main(argv)
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert status == 0
     assert summary["data_dtype"] == "bfloat16"
+    assert summary["train_dtype"] == "float32"  # --fp32: --train-dtype float32
     exact = KVRunner(smollm2().model)
     data = distill_data_dir(SMOLLM2)
     held_out, train = read_shards(data / "heldout"), read_shards(data / "train")

@@ -35,12 +35,11 @@ from specdec.distill.data import (
     ShardWriter,
     encode_chat,
     generate_examples,
-    generation_dtype,
-    model_in_dtype,
     read_conversations,
     read_shards,
     teacher_force_examples,
 )
+from specdec.distill.dtypes import bfloat16_speedup, generation_dtype, model_in_dtype, training_dtype
 from specdec.distill.prompts import load_prompt_set
 from specdec.distill.train import (
     CHECKPOINT_FILE,
@@ -79,8 +78,14 @@ def run_distill(args: argparse.Namespace) -> int:
     data_dir = distill_data_dir(args.target) if args.data is None else out / "data"
     started = time.monotonic()
     fused = args.features == "fused"
-    data_dtype = generation_dtype(args.data_dtype, target.model)
-    print(f"training data in {_name(data_dtype)} (--data-dtype {args.data_dtype})", file=sys.stderr)
+    speedup = functools.cache(bfloat16_speedup)  # measured once, if either dtype is auto
+    data_dtype = generation_dtype(args.data_dtype, target.model, speedup)
+    train_dtype = training_dtype(args.train_dtype, target.model, speedup)
+    print(
+        f"training data in {_name(data_dtype)} (--data-dtype {args.data_dtype}), "
+        f"the head trains in {_name(train_dtype)} (--train-dtype {args.train_dtype})",
+        file=sys.stderr,
+    )
     train_examples, held_out = collect_data(target, args, data_dir, fused=fused, dtype=data_dtype)
     data_minutes = (time.monotonic() - started) / 60
     vocab = _draft_vocab(out, train_examples, args.draft_vocab, target)
@@ -94,7 +99,7 @@ def run_distill(args: argparse.Namespace) -> int:
         feature_weight=args.feature_weight,
         eval_every=args.eval_every,
         seed=args.seed,
-        bf16=not args.fp32,
+        bf16=train_dtype == torch.bfloat16,
     )
     batches = make_batches(train_examples, config.batch_tokens, config.max_length, fused=fused)
     held_out_batches = make_batches(held_out, config.batch_tokens, config.max_length, fused=fused)
@@ -120,6 +125,7 @@ def run_distill(args: argparse.Namespace) -> int:
             "draft_vocab": len(vocab),
             "data_minutes": round(data_minutes, 2),
             "data_dtype": _name(data_dtype),
+            "train_dtype": _name(train_dtype),
             "train_minutes": round((time.monotonic() - train_started) / 60, 2),
             "held_out_agreement": [round(a, 4) for a in result.agree],
         }
@@ -161,7 +167,7 @@ def collect_data(
     """Training and held-out examples: what the cache holds, plus what the time budget adds (``fused``: with the
     fused layers' rows, which only a fused head reads). The target makes the held-out examples as it is loaded (they
     rank checkpoints, so they are what serving sees) and the training examples in ``dtype``
-    (:func:`~specdec.distill.data.generation_dtype`), a copy made only if there are any to make."""
+    (:func:`~specdec.distill.dtypes.generation_dtype`), a copy made only if there are any to make."""
     if target.tokenizer is None:
         raise InvalidArgumentError("target", f"{target.name!r} has no tokenizer to apply the chat template")
     runner = KVRunner(target.model)

@@ -15,8 +15,9 @@ Two sources:
 - :func:`teacher_force_examples`: a user's own conversations (prompt and response given), one forward each.
 
 **Generation dtype.** Training data needs the target's answers and features, not its exact float32 arithmetic, so
-the target may generate in bfloat16 (:func:`generation_dtype`): on a CPU with AMX it wrote 2.2x the float32 tokens/s at
-96 sequences at a time, and a head trained on those rows was as good on float32 held-out rows (README).
+the target may generate in bfloat16 (:func:`specdec.distill.dtypes.generation_dtype`): on a CPU with AMX it wrote 2.2x
+the float32 tokens/s at 96 sequences at a time, and a head trained on those rows was as good on float32 held-out rows
+(README).
 
 Shards are ``torch.save`` files of at most ``shard_size`` examples, written as they complete, so a job killed
 by its time budget keeps its finished shards and a rerun skips the records already done.
@@ -24,22 +25,17 @@ by its time budget keeps its finished shards and a rerun skips the records alrea
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from specdec.drafters.base import Proposal
 from specdec.errors import InvalidArgumentError
-from specdec.models import synchronize
-from specdec.precision import check_data_dtype
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree
@@ -83,56 +79,6 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str,
     return list(
         tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
     )
-
-
-BFLOAT16_PAYS = 1.5  # "auto" generates in bfloat16 where the target's matrix multiplies run this much faster in it
-
-
-def generation_dtype(
-    choice: str, model: PreTrainedModel, speedup: Callable[[PreTrainedModel], float] | None = None
-) -> torch.dtype:
-    """The dtype the target generates training data in: ``choice`` (``"float32"``, ``"bfloat16"``), or for
-    ``"auto"`` bfloat16 where ``speedup(model)`` (default :func:`bfloat16_speedup`) is at least
-    :data:`BFLOAT16_PAYS` (CPUs with AMX, GPUs), float32 elsewhere (without hardware for it, bfloat16 arithmetic
-    is emulated and slower)."""
-    if check_data_dtype(choice) != "auto":
-        return getattr(torch, choice)
-    return torch.bfloat16 if (speedup or bfloat16_speedup)(model) >= BFLOAT16_PAYS else torch.float32
-
-
-def model_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
-    """What generates training data in ``dtype`` (:func:`generation_dtype`): ``model`` itself when it is in ``dtype``,
-    else a copy of it in ``dtype`` (the model as loaded stays as it is: the head and the held-out data read it)."""
-    return model if next(model.parameters()).dtype == dtype else copy.deepcopy(model).to(dtype)
-
-
-def bfloat16_speedup(model: PreTrainedModel, rows: int = 96, repeats: int = 7) -> float:
-    """float32 time over bfloat16 time of a matrix multiply the size of ``model``'s MLP projections over ``rows``
-    rows (a decode step of a full generation batch), on the model's device: about 4 on a 2-core Xeon with AMX
-    (SmolLM2, 96 rows). Each dtype is warmed up, then the two are timed in turn ``repeats`` times and each keeps its
-    best, so a stall of the machine (page reclaim while a large model loads) slows one repeat, not one dtype. Timed
-    as two blocks it once returned 76 on that Xeon, and a ``specdec distill`` run there chose float32 (its cause not
-    pinned down; a stall in the bfloat16 block would do it)."""
-    device = next(model.parameters()).device
-    hidden, width = int(model.config.hidden_size), int(model.config.intermediate_size)
-    operands = {
-        dtype: (
-            torch.randn(rows, hidden, device=device, dtype=dtype),
-            torch.randn(width, hidden, device=device, dtype=dtype),
-        )
-        for dtype in (torch.float32, torch.bfloat16)
-    }
-    best = dict.fromkeys(operands, math.inf)
-    for repeat in range(repeats + 1):  # the first round warms up (kernel choice, thread pools), untimed
-        for dtype, (rows_in, weight) in operands.items():
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(10):
-                F.linear(rows_in, weight)
-            synchronize(device)
-            if repeat:
-                best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return best[torch.float32] / best[torch.bfloat16]
 
 
 def generate_examples(

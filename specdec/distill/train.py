@@ -54,7 +54,7 @@ class TrainConfig:
     feature_weight: float = 0.2
     eval_every: int = 100
     seed: int = 0
-    bf16: bool = True  # bfloat16 autocast: ~1.7x faster steps on CPUs with bf16 instructions, same head quality
+    bf16: bool = True  # bfloat16 autocast: same head quality, faster where the hardware has it (distill.dtypes)
 
     def __post_init__(self) -> None:
         if self.steps is None and self.minutes is None:
