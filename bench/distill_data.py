@@ -31,7 +31,7 @@ import torch
 from bench.arguments import comma_ints, comma_names
 from bench.load.report import run_metadata, write_report
 from specdec.distill.data import Example, encode_chat, generate_examples
-from specdec.distill.dtypes import bfloat16_speedup, generation_dtype, model_in_dtype, training_dtype
+from specdec.distill.dtypes import TRAINING_ROWS, bfloat16_speedup, generation_dtype, model_in_dtype, training_dtype
 from specdec.distill.prompts import load_prompt_set
 from specdec.distill.train import TrainConfig, choose_draft_vocab, make_batches, train
 from specdec.drafters.eagle_head import EagleHead, eagle3_layers
@@ -117,15 +117,19 @@ def measure_training(args: argparse.Namespace, target: LoadedModel, examples: li
 def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     """The data rows, the training rows (unless ``--train-steps 0``), and what ``auto`` picks on this machine."""
     target = load_model(args.target, device=args.device)
-    speedup = bfloat16_speedup(target.model)
+    speedups = {"decode": bfloat16_speedup(target.model), "training": bfloat16_speedup(target.model, TRAINING_ROWS)}
     rows, examples = measure(args, target)
     return {
         "rows": rows,
         "training_rows": measure_training(args, target, examples) if args.train_steps > 0 else [],
-        "bfloat16_speedup": speedup,
-        "auto_data_dtype": str(generation_dtype("auto", target.model, lambda _: speedup)).removeprefix("torch."),
-        "auto_train_dtype": str(training_dtype("auto", target.model, lambda _: speedup)).removeprefix("torch."),
+        "bfloat16_speedup": speedups,
+        "auto_data_dtype": _name(generation_dtype("auto", target.model, lambda _: speedups["decode"])),
+        "auto_train_dtype": _name(training_dtype("auto", target.model, lambda _: speedups["training"])),
     }
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -134,7 +138,7 @@ def markdown(document: dict[str, Any]) -> str:
     baseline = next((row for row in rows if row["dtype"] == "float32"), None)
     against = f"× float32 batch {baseline['batch_size']}" if baseline else "×"
     lines = [
-        f"# Distillation data: the target's tokens/s by dtype and batch size (`{config['target']}`)",
+        f"# `specdec distill` by dtype: the target writing data, the head training (`{config['target']}`)",
         "",
         f"{document['date']} · {environment['cpu']} ({environment['cpus']} CPUs, load average "
         f"{environment['load_average'][0]:.2f} before) · torch {environment['versions']['torch']} · specdec "
@@ -155,7 +159,7 @@ def markdown(document: dict[str, Any]) -> str:
         lines.append(
             f"| {row['dtype']} | {row['batch_size']} | {row['tokens_per_s']:.0f} | {ratio} | {same} | {samples} |"
         )
-    training = document["training_rows"]
+    training, speedups = document["training_rows"], document["bfloat16_speedup"]
     if training:
         first = training[0]
         lines += [
@@ -174,8 +178,9 @@ def markdown(document: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        f"`bfloat16_speedup` here: {document['bfloat16_speedup']:.2f}, so `auto` writes data in "
-        f"{document['auto_data_dtype']} and trains in {document['auto_train_dtype']}.",
+        f"`bfloat16_speedup` here: {speedups['decode']:.2f} at 96 rows, {speedups['training']:.2f} at "
+        f"{TRAINING_ROWS}, so `auto` writes data in {document['auto_data_dtype']} and trains in "
+        f"{document['auto_train_dtype']}.",
     ]
     if document["note"]:
         lines += ["", document["note"]]

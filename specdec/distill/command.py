@@ -39,7 +39,7 @@ from specdec.distill.data import (
     read_shards,
     teacher_force_examples,
 )
-from specdec.distill.dtypes import bfloat16_speedup, generation_dtype, model_in_dtype, training_dtype
+from specdec.distill.dtypes import generation_dtype, model_in_dtype, training_dtype
 from specdec.distill.prompts import load_prompt_set
 from specdec.distill.train import (
     CHECKPOINT_FILE,
@@ -78,9 +78,8 @@ def run_distill(args: argparse.Namespace) -> int:
     data_dir = distill_data_dir(args.target) if args.data is None else out / "data"
     started = time.monotonic()
     fused = args.features == "fused"
-    speedup = functools.cache(bfloat16_speedup)  # measured once, if either dtype is auto
-    data_dtype = generation_dtype(args.data_dtype, target.model, speedup)
-    train_dtype = training_dtype(args.train_dtype, target.model, speedup)
+    data_dtype = generation_dtype(args.data_dtype, target.model)
+    train_dtype = training_dtype(args.train_dtype, target.model)
     print(
         f"training data in {_name(data_dtype)} (--data-dtype {args.data_dtype}), "
         f"the head trains in {_name(train_dtype)} (--train-dtype {args.train_dtype})",

@@ -1,6 +1,6 @@
 """What ``specdec distill`` computes in: the dtype the target writes training data in and whether the head trains
-under bfloat16 autocast, each ``auto`` by default, chosen from one measurement of this machine
-(:func:`bfloat16_speedup`).
+under bfloat16 autocast, each ``auto`` by default, chosen from a measurement of this machine
+(:func:`bfloat16_speedup`) at the rows each multiplies: a decode step's batch, a training batch's share.
 
 Neither needs float32's exact arithmetic: training data needs the target's answers and feature rows, and a head
 trained under bfloat16 autocast is as good (README). What decides is speed, and that depends on the hardware: a
@@ -29,8 +29,11 @@ Speedup = Callable[[PreTrainedModel], float]
 # differ from float32's (a near-tie goes elsewhere), which only a clear gain is worth.
 GENERATION_BFLOAT16_PAYS = 1.5
 # "auto" trains under bfloat16 autocast where they run this much faster: step time followed the matrix multiplies
-# (0.57x of them, 0.61x of the steps on that Xeon); the margin covers autocast's casts and the measurement's noise.
+# (0.6x of them, 0.6-0.8x of the steps on that Xeon); the margin covers autocast's casts and the measurement's noise.
 TRAINING_BFLOAT16_PAYS = 1.2
+# Training multiplies thousands of rows at once; measured at 96, a GPU would time kernel launches, not arithmetic,
+# and see no gain. 512 rows take ~1 s to measure on a 2-core CPU (0.62 on that Xeon, against 0.68 at 96 rows).
+TRAINING_ROWS = 512
 
 
 def bfloat16_speedup(model: PreTrainedModel, rows: int = 96, repeats: int = 7) -> float:
@@ -71,9 +74,12 @@ def generation_dtype(choice: str, model: PreTrainedModel, speedup: Speedup | Non
 
 def training_dtype(choice: str, model: PreTrainedModel, speedup: Speedup | None = None) -> torch.dtype:
     """The dtype the head trains in (bfloat16: under autocast): ``choice``, or for ``"auto"`` bfloat16 where
-    ``speedup(model)`` is at least :data:`TRAINING_BFLOAT16_PAYS`, float32 elsewhere (without hardware for it,
-    bfloat16 arithmetic is emulated and slower)."""
-    return _chosen(choice, "train_dtype", model, speedup, TRAINING_BFLOAT16_PAYS)
+    ``speedup(model)`` (default :func:`bfloat16_speedup` over :data:`TRAINING_ROWS` rows) is at least
+    :data:`TRAINING_BFLOAT16_PAYS`, float32 elsewhere (without hardware for it, bfloat16 arithmetic is emulated and
+    slower)."""
+    return _chosen(
+        choice, "train_dtype", model, speedup or (lambda m: bfloat16_speedup(m, TRAINING_ROWS)), TRAINING_BFLOAT16_PAYS
+    )
 
 
 def _chosen(choice: str, field: str, model: PreTrainedModel, speedup: Speedup | None, pays: float) -> torch.dtype:
