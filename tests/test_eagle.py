@@ -57,11 +57,15 @@ FUSED = (0, 1)  # a fused (EAGLE-3) head of the 2-layer target reads both layers
 
 
 def random_head(
-    target: LoadedModel, seed: int = 0, vocab: torch.Tensor | None = None, feature_layers: tuple[int, ...] = ()
+    target: LoadedModel,
+    seed: int = 0,
+    vocab: torch.Tensor | None = None,
+    feature_layers: tuple[int, ...] = (),
+    num_layers: int = 1,
 ) -> EagleHead:
     """A head from the target, with every trainable weight perturbed so its predictions are far from trivial."""
     head = EagleHead.from_target(
-        target.model, torch.arange(VOCAB) if vocab is None else vocab, feature_layers=feature_layers
+        target.model, torch.arange(VOCAB) if vocab is None else vocab, num_layers, feature_layers=feature_layers
     )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -170,10 +174,42 @@ def test_drafting_computes_what_training_unrolls(target: LoadedModel, feature_la
     targets = torch.zeros(1, n, head.hidden_size)
     batch = Batch(tokens, inputs, targets, torch.arange(1, n + 1)[None], torch.ones(1, n, dtype=torch.bool))
     with torch.no_grad():
-        step0, step1 = unrolled_forward(head, batch, 2)
+        (step0, step1), _ = unrolled_forward(head, batch, 2)
         expected = torch.softmax(head.logits(torch.stack([step0[0, n - 2], step1[0, n - 1]])), dim=-1)
     torch.testing.assert_close(proposal.draft_probs, expected, atol=1e-5, rtol=0)
     assert second in range(VOCAB)
+
+
+@pytest.mark.parametrize(("feature_layers", "num_layers"), [((), 1), (FUSED, 1), (FUSED, 2)])
+def test_training_computes_the_loss_rows_alone_as_the_whole_rows_would(
+    target: LoadedModel, feature_layers: tuple[int, ...], num_layers: int
+) -> None:
+    """Unrolled training runs its queries, output projection and MLP on the rows from just before each example's
+    response onwards (the prompt's rows give only keys and values): its states at the loss rows equal those of the
+    forward over every row, at every unroll step, for examples of different prompt and response lengths."""
+    head = random_head(target, seed=3, feature_layers=feature_layers, num_layers=num_layers)
+    generator = torch.Generator().manual_seed(11)
+    count, length, steps = 4, 14, 3
+    width = len(feature_layers or (0,)) * head.hidden_size
+    spans = [(6, 14), (2, 9), (10, 12), (0, 5)]  # [first loss row, end of the example) per example
+    loss_mask = torch.zeros(count, length, dtype=torch.bool)
+    for row, (first, end) in enumerate(spans):
+        loss_mask[row, first:end] = True
+    batch = Batch(
+        torch.randint(0, VOCAB, (count, length), generator=generator),
+        torch.randn(count, length, width, generator=generator),
+        torch.zeros(count, length, head.hidden_size),
+        torch.arange(1, length + 1).expand(count, length),
+        loss_mask,
+    )
+    every_row = dataclasses.replace(batch, loss_mask=torch.ones_like(loss_mask))
+    with torch.no_grad():
+        states, rows = unrolled_forward(head, batch, steps)
+        whole, whole_rows = unrolled_forward(head, every_row, steps)
+    assert whole[0].shape == (count, length, head.hidden_size) and whole_rows.all()
+    assert states[0].shape[1] < length and int(rows.sum()) == int(loss_mask.sum())
+    for state, reference in zip(states, whole, strict=True):
+        torch.testing.assert_close(state[rows], reference[loss_mask], atol=1e-5, rtol=1e-5)
 
 
 def _head_on_path(head: EagleHead, features: torch.Tensor, n: int, path: list[int]) -> torch.Tensor:
@@ -190,7 +226,7 @@ def _head_on_path(head: EagleHead, features: torch.Tensor, n: int, path: list[in
         torch.ones(1, width, dtype=torch.bool),
     )
     with torch.no_grad():
-        last = unrolled_forward(head, batch, steps)[-1]
+        last = unrolled_forward(head, batch, steps)[0][-1]
         return torch.softmax(head.logits(last[0, width - 1]), dim=-1)
 
 

@@ -12,8 +12,12 @@ through its ``fc``), and its output (the row its LM head reads, :meth:`~EagleHea
   states as input features (what drafting feeds a drafted row), with the attention it would have at drafting depth ``s``
   (:func:`unrolled_mask`); step losses are weighted ``step_decay ** s``.
 
-Losses count only positions that predict a response token. Batches group examples of similar length (right
-padding: causal attention never lets a real row see a pad). The learning rate warms up, then follows a cosine
+Losses count only positions that predict a response token, so a prompt's rows (but the last ``unroll_steps``) only
+give the others their keys and values: the head's last layer runs its queries, output projection and MLP on the
+rows from there on (:func:`query_rows`), and the unrolled steps run on those rows alone. On the demo's data (prompt
+rows ~40 % of all) that made steps 1.14x as fast at one unrolled step and 1.33x at three, the states of the loss rows
+unchanged. Batches group examples of similar length (right padding: causal attention never lets a real row see a
+pad). The learning rate warms up, then follows a cosine
 over the run, measured in steps (``steps``) or in elapsed time (``minutes``).
 """
 
@@ -198,32 +202,71 @@ def unrolled_mask(length: int, step: int) -> torch.Tensor:
 
 
 class _UnrolledAttention:
-    """Attention for one unroll step: this step's keys join the earlier steps' (per layer), under its mask."""
+    """Attention for one unroll step: this step's keys join the earlier steps' (per layer), under the layer's mask."""
 
-    def __init__(self, cache: list[list[tuple[torch.Tensor, torch.Tensor]]], mask: torch.Tensor) -> None:
+    def __init__(self, cache: list[list[tuple[torch.Tensor, torch.Tensor]]], masks: Sequence[torch.Tensor]) -> None:
         self.cache = cache
-        self.mask = mask
+        self.masks = masks
 
     def __call__(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         self.cache[index].append((key, value))
         keys = torch.cat([k for k, _ in self.cache[index]], dim=2)
         values = torch.cat([v for _, v in self.cache[index]], dim=2)
-        return scaled_attention(query, keys, values, self.mask)
+        return scaled_attention(query, keys, values, self.masks[index])
 
 
-def unrolled_forward(head: EagleHead, batch: Batch, steps: int) -> list[torch.Tensor]:
-    """The head's states [B, T, H] (:meth:`~EagleHead.forward_rows`) at each unroll step ``0 .. steps - 1``."""
-    length = batch.tokens.shape[1]
+def query_rows(loss_mask: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows [B, Q] each unroll step computes, and which of them the loss reads [B, Q].
+
+    The loss reads response rows. At step ``s`` a row ``i`` reads step ``s - 1``'s state at ``i - 1`` and the keys
+    of steps ``1 .. s`` at ``i - s + 1 .. i`` (:func:`unrolled_mask`), so the loss depends on rows from ``steps - 1``
+    before an example's first response row onwards; earlier rows (the prompt's) give step 0 their keys and values,
+    nothing else. A row past an example's last response row repeats row ``T - 1``, outside the loss."""
+    length = loss_mask.shape[1]
+    columns = torch.arange(length)
+    first = torch.where(loss_mask, columns, length).min(dim=1).values.clamp(max=length - 1)
+    end = torch.where(loss_mask, columns + 1, 0).max(dim=1).values
+    start = (first - (steps - 1)).clamp(min=0)
+    width = max(int((end - start).max()), 1)
+    index = start[:, None] + torch.arange(width)
+    return index.clamp(max=length - 1), loss_mask.gather(1, index.clamp(max=length - 1)) & (index < end[:, None])
+
+
+def unrolled_forward(head: EagleHead, batch: Batch, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The head's states [B, Q, H] (:meth:`~EagleHead.forward_rows`) at each unroll step ``0 .. steps - 1`` on the
+    rows :func:`query_rows` picks, and which of them are ``batch``'s loss rows [B, Q] (the same rows, in order)."""
+    index, loss_mask = query_rows(batch.loss_mask, steps)
     cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in head.layers]
     outputs = []
     true_features = head.project(batch.inputs.float())
-    features = true_features
-    for step in range(steps):
-        attend = _UnrolledAttention(cache, unrolled_mask(length, step))
-        predicted = head.forward_rows(batch.tokens, features, batch.positions, attend)
+    causal = unrolled_mask(batch.tokens.shape[1], 0)  # step 0: the last layer queries the index's rows, others all
+    masks = [causal] * (len(head.layers) - 1) + [_mask_rows(causal, index)]
+    predicted = head.forward_rows(batch.tokens, true_features, batch.positions, _UnrolledAttention(cache, masks), index)
+    outputs.append(predicted)
+    tokens, positions = batch.tokens.gather(1, index), batch.positions.gather(1, index)
+    first_features = true_features.gather(1, index[:, :1, None].expand(-1, -1, true_features.shape[-1]))
+    for step in range(1, steps):
+        # row i reads the last step's state at i - 1 (an index's first row: never the loss's, see query_rows)
+        features = torch.cat([first_features, predicted[:, :-1]], dim=1)
+        attend = _UnrolledAttention(cache, [_step_mask(index, batch.tokens.shape[1], step)] * len(head.layers))
+        predicted = head.forward_rows(tokens, features, positions, attend)
         outputs.append(predicted)
-        features = torch.cat([true_features[:, :1], predicted[:, :-1]], dim=1)  # row i reads this step's state at i - 1
-    return outputs
+    return outputs, loss_mask
+
+
+def _mask_rows(mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows ``index`` [B, Q] of a [T, K] mask, as SDPA's [B, 1, Q, K]."""
+    return mask[index][:, None]
+
+
+def _step_mask(index: torch.Tensor, length: int, step: int) -> torch.Tensor:
+    """:func:`unrolled_mask` for step ``step`` on the rows ``index`` [B, Q]: step 0's keys are all ``length`` rows',
+    later steps' keys the rows of ``index`` alone (consecutive rows: a key ``k`` rows back is ``k`` columns back)."""
+    width = index.shape[1]
+    blocks = [_mask_rows(unrolled_mask(length, step)[:, :length], index)]
+    local = unrolled_mask(width, step)[:, width:]  # [Q, step * Q]
+    blocks.append(local[None, None].expand(index.shape[0], 1, -1, -1))
+    return torch.cat(blocks, dim=-1)
 
 
 def batch_loss(
@@ -231,16 +274,16 @@ def batch_loss(
 ) -> tuple[torch.Tensor, list[float]]:
     """The weighted loss and, with ``measure_agreement``, per unroll step the fraction of response rows whose
     argmax agrees (an empty list otherwise: training steps skip the argmaxes, ~11 % of a step on a CPU)."""
-    mask = batch.loss_mask
+    states, mask = unrolled_forward(head, batch, config.unroll_steps)
     with torch.no_grad():
-        targets = batch.targets[mask].float()  # [R, H]
+        targets = batch.targets[batch.loss_mask].float()  # [R, H], in the order of the states' loss rows
         target = torch.softmax(head.lm_head(targets), dim=-1)  # [R, K]
         target_top = None
         if measure_agreement:
             target_top = argmax(target) if batch.target_top is None else batch.target_top.to(target.device)
     total = torch.zeros(())
     agree = []
-    for step, predicted in enumerate(unrolled_forward(head, batch, config.unroll_steps)):
+    for step, predicted in enumerate(states):
         rows = head.output(predicted[mask])
         log_q = torch.log_softmax(head.lm_head(rows), dim=-1)
         cross_entropy = -(target * log_q).sum(dim=-1).mean()

@@ -212,11 +212,20 @@ class EagleHead(nn.Module):
         return head
 
     def forward_rows(
-        self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, attend: Attend
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        query_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each row's state [B, T, H] (see the class) for ``tokens`` [B, T], input ``features`` [B, T, H] (the
         feature or state of each row's previous position) and RoPE ``positions`` [B, T]; ``attend`` supplies
-        keys, values and mask."""
+        keys, values and mask.
+
+        ``query_index`` [B, Q] (indices into T): the states of those rows only, [B, Q, H]; every row still gives the
+        last layer its keys and values, but only those rows run its queries, output projection and MLP. Training
+        uses it: the rows of a long prompt are only context to the response rows the loss reads."""
         embeds = self.embed_tokens(tokens)
         features = features.to(embeds.dtype)
         if self.options is None:
@@ -230,7 +239,10 @@ class EagleHead(nn.Module):
         cos, sin = self.rotary(residual, positions)  # [B, T, head_dim]
         for index, layer in enumerate(self.layers):
             x = first_input if index == 0 and first_input is not None else layer.input_layernorm(residual)
-            residual = residual + self._attention(index, layer.self_attn, x, cos, sin, attend)
+            queried = query_index if index == len(self.layers) - 1 else None
+            if queried is not None:
+                residual = _rows(residual, queried)
+            residual = residual + self._attention(index, layer.self_attn, x, cos, sin, attend, queried)
             residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
         if self.options is None or self.options.norm_output:
             return self.norm(residual)
@@ -245,20 +257,34 @@ class EagleHead(nn.Module):
         return self.lm_head(self.output(states))
 
     def _attention(
-        self, index: int, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+        self,
+        index: int,
+        attn: nn.Module,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        query_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        batch, length, _ = x.shape
         head_dim = attn.head_dim
 
-        def heads(projection: nn.Module) -> torch.Tensor:  # [B, T, width] -> [B, heads, T, head_dim]
-            return projection(x).view(batch, length, -1, head_dim).transpose(1, 2)
+        def heads(projection: nn.Module, rows: torch.Tensor) -> torch.Tensor:  # [B, T, width] -> [B, heads, T, d]
+            return projection(rows).view(*rows.shape[:2], -1, head_dim).transpose(1, 2)
 
-        query, key, value = heads(attn.q_proj), heads(attn.k_proj), heads(attn.v_proj)
-        cos, sin = cos[:, None], sin[:, None]
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
-        out = attend(index, query, key, value)  # [B, heads, T, head_dim]
-        return attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        def rotated(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return states * cos[:, None] + _rotate_half(states) * sin[:, None]
+
+        key, value = rotated(heads(attn.k_proj, x), cos, sin), heads(attn.v_proj, x)
+        if query_index is not None:
+            x, cos, sin = _rows(x, query_index), _rows(cos, query_index), _rows(sin, query_index)
+        query = rotated(heads(attn.q_proj, x), cos, sin)
+        out = attend(index, query, key, value)  # [B, heads, Q, head_dim]
+        return attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+def _rows(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` [B, Q] of ``states`` [B, T, W]: [B, Q, W]."""
+    return states.gather(1, index[..., None].expand(-1, -1, states.shape[-1]))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
