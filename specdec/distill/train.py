@@ -285,12 +285,12 @@ def batch_loss(
     agree = []
     for step, predicted in enumerate(states):
         rows = head.output(predicted[mask])
-        log_q = torch.log_softmax(head.lm_head(rows), dim=-1)
-        cross_entropy = -(target * log_q).sum(dim=-1).mean()
+        logits = head.lm_head(rows)
+        cross_entropy = F.cross_entropy(logits, target)  # soft labels: the target's law over the draft vocabulary
         regression = F.smooth_l1_loss(rows, targets.to(rows.dtype))
         total = total + config.step_decay**step * (cross_entropy + config.feature_weight * regression)
         if target_top is not None:
-            agree.append(float((argmax(log_q) == target_top).float().mean()))
+            agree.append(float((argmax(logits) == target_top).float().mean()))
     return total, agree
 
 
