@@ -5,6 +5,7 @@ data (what ranks checkpoints) as loaded; the head trains under bfloat16 autocast
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,33 +23,26 @@ from specdec.sampling import SamplingParams
 from tests.tiny_models import SMOLLM2, smollm2, tiny_llama
 
 
-def test_auto_generates_in_bfloat16_only_where_it_runs_at_least_one_and_a_half_times_faster() -> None:
+def unmeasured(_: object) -> float:
+    raise AssertionError("a named dtype is not measured")
+
+
+@pytest.mark.parametrize(
+    ("choose", "field", "threshold"),
+    [(generation_dtype, "data_dtype", 1.5), (training_dtype, "train_dtype", 1.2)],
+    ids=["data", "training"],
+)
+def test_auto_picks_bfloat16_only_where_it_runs_at_least_the_thresholds_times_faster(
+    choose: Callable[..., torch.dtype], field: str, threshold: float
+) -> None:
     model = tiny_llama(seed=0).model
-
-    def unmeasured(_: object) -> float:
-        raise AssertionError("a named dtype is not measured")
-
-    assert generation_dtype("auto", model, speedup=lambda _: 1.49) is torch.float32
-    assert generation_dtype("auto", model, speedup=lambda _: 1.5) is torch.bfloat16
-    assert generation_dtype("float32", model, speedup=unmeasured) is torch.float32
-    assert generation_dtype("bfloat16", model, speedup=unmeasured) is torch.bfloat16
-    with pytest.raises(InvalidArgumentError, match="data_dtype: must be one of auto, float32, bfloat16"):
-        generation_dtype("float16", model)
-
-
-def test_auto_trains_under_bfloat16_autocast_only_where_it_runs_at_least_1_2_times_faster() -> None:
-    model = tiny_llama(seed=0).model
-
-    def unmeasured(_: object) -> float:
-        raise AssertionError("a named dtype is not measured")
-
-    assert training_dtype("auto", model, speedup=lambda _: 0.57) is torch.float32  # a Xeon without AMX
-    assert training_dtype("auto", model, speedup=lambda _: 1.19) is torch.float32
-    assert training_dtype("auto", model, speedup=lambda _: 1.2) is torch.bfloat16
-    assert training_dtype("float32", model, speedup=unmeasured) is torch.float32
-    assert training_dtype("bfloat16", model, speedup=unmeasured) is torch.bfloat16
-    with pytest.raises(InvalidArgumentError, match="train_dtype: must be one of auto, float32, bfloat16"):
-        training_dtype("float16", model)
+    assert choose("auto", model, speedup=lambda _: 0.57) is torch.float32  # a Xeon without AMX
+    assert choose("auto", model, speedup=lambda _: threshold - 0.01) is torch.float32
+    assert choose("auto", model, speedup=lambda _: threshold) is torch.bfloat16
+    assert choose("float32", model, speedup=unmeasured) is torch.float32
+    assert choose("bfloat16", model, speedup=unmeasured) is torch.bfloat16
+    with pytest.raises(InvalidArgumentError, match=f"{field}: must be one of auto, float32, bfloat16"):
+        choose("float16", model)
 
 
 def final_rows_in_float32(runner: KVRunner, token_ids: torch.Tensor) -> torch.Tensor:
