@@ -8,10 +8,13 @@ copy of it (what ``--data-dtype bfloat16`` runs). A cell is response tokens per 
 fraction of responses identical to float32's at the same batch size: bfloat16 rounds differently, and a greedy
 answer that meets a near-tie follows another path from there (the rows stay the target's, up to bfloat16).
 
-Then a fresh EAGLE-3 head (``specdec distill``'s defaults) trains ``--train-steps`` steps on float32's examples in
-each dtype (bfloat16: under autocast), in each repeat, the same batches in the same order: steps/s and response
-tokens trained per second. The report also gives :func:`~specdec.distill.dtypes.bfloat16_speedup` as measured here
-and what ``auto`` chooses from it for ``--data-dtype`` and ``--train-dtype``.
+Then a fresh EAGLE-3 head (``specdec distill``'s defaults) trains ``--train-steps`` steps on float32's examples (or,
+with ``--cached-data``, on the data ``specdec distill`` cached, and no data section) in each dtype (bfloat16: under
+autocast), in each repeat, the same batches in the same order: steps/s and response tokens trained per second. Prompts
+are taken evenly spaced over the shipped set, which is sorted by category: its first hundred are all short chat
+prompts, whose rows are nearly all response, and training cost depends on the share of prompt rows. The report
+also gives :func:`~specdec.distill.dtypes.bfloat16_speedup` as measured here and what ``auto`` chooses from it for
+``--data-dtype`` and ``--train-dtype``.
 
     python -m bench.distill_data --batch-sizes 48,96 --result-dir bench/results
 """
@@ -30,7 +33,8 @@ import torch
 
 from bench.arguments import comma_ints, comma_names
 from bench.load.report import run_metadata, write_report
-from specdec.distill.data import Example, encode_chat, generate_examples
+from specdec.cache import distill_data_dir
+from specdec.distill.data import Example, encode_chat, generate_examples, read_shards
 from specdec.distill.dtypes import TRAINING_ROWS, bfloat16_speedup, generation_dtype, model_in_dtype, training_dtype
 from specdec.distill.prompts import load_prompt_set
 from specdec.distill.train import TrainConfig, choose_draft_vocab, make_batches, train
@@ -45,7 +49,7 @@ def measure(args: argparse.Namespace, target: LoadedModel) -> tuple[list[dict[st
     float32 wrote at its largest batch size (what the training section trains on)."""
     runners = {name: KVRunner(model_in_dtype(target.model, getattr(torch, name))) for name in args.dtypes}
     prompts = [(row.id, encode_chat(target.tokenizer, row.messages)) for row in load_prompt_set("train")]
-    prompts = prompts[: args.prompts]
+    prompts = prompts[:: max(1, len(prompts) // args.prompts)][: args.prompts]  # every category: the set is sorted
     speeds: dict[tuple[str, int], list[float]] = {}
     responses: dict[tuple[str, int], dict[str, list[int]]] = {}
     examples: list[Example] = []
@@ -97,7 +101,12 @@ def measure_training(args: argparse.Namespace, target: LoadedModel, examples: li
     for _ in range(args.repeats):
         for name in args.dtypes:
             head = EagleHead.from_target(target.model, vocab, feature_layers=layers)
-            config = TrainConfig(steps=args.train_steps, bf16=name == "bfloat16", eval_every=args.train_steps + 1)
+            config = TrainConfig(
+                steps=args.train_steps,
+                bf16=name == "bfloat16",
+                eval_every=args.train_steps + 1,
+                unroll_steps=args.unroll_steps,
+            )
             start = time.perf_counter()
             train(head, batches, [], config)
             seconds.setdefault(name, []).append(time.perf_counter() - start)
@@ -118,8 +127,14 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     """The data rows, the training rows (unless ``--train-steps 0``), and what ``auto`` picks on this machine."""
     target = load_model(args.target, device=args.device)
     speedups = {"decode": bfloat16_speedup(target.model), "training": bfloat16_speedup(target.model, TRAINING_ROWS)}
-    rows, examples = measure(args, target)
+    if args.cached_data:  # the data specdec distill wrote, as it trains on it
+        rows, examples = [], read_shards(distill_data_dir(args.target) / "train")[: args.prompts]
+        if not examples:
+            raise SystemExit(f"no cached training data for {args.target}: run specdec distill first")
+    else:
+        rows, examples = measure(args, target)
     return {
+        "training_examples": len(examples),
         "rows": rows,
         "training_rows": measure_training(args, target, examples) if args.train_steps > 0 else [],
         "bfloat16_speedup": speedups,
@@ -146,12 +161,17 @@ def markdown(document: dict[str, Any]) -> str:
         "",
         f"Command: `{' '.join(document['command'])}`",
         "",
-        f"{config['prompts']} training prompts, greedy, at most {config['max_tokens']} tokens each, with EAGLE-3 "
-        f"feature rows; median of {config['repeats']} interleaved repeats.",
-        "",
-        f"| dtype | batch | response tokens/s | {against} | responses identical to float32's | repeats (tokens/s) |",
-        "|---|---|---|---|---|---|",
     ]
+    if rows:
+        lines += [
+            f"{config['prompts']} training prompts (evenly spaced over the set), greedy, at most "
+            f"{config['max_tokens']} tokens each, with EAGLE-3 feature rows; median of {config['repeats']} interleaved "
+            "repeats.",
+            "",
+            f"| dtype | batch | response tokens/s | {against} | responses identical to float32's "
+            "| repeats (tokens/s) |",
+            "|---|---|---|---|---|---|",
+        ]
     for row in rows:
         ratio = f"{row['tokens_per_s'] / baseline['tokens_per_s']:.2f}" if baseline else "–"
         same = "–" if row["identical_to_float32"] is None else f"{row['identical_to_float32']:.0%}"
@@ -162,10 +182,12 @@ def markdown(document: dict[str, Any]) -> str:
     training, speedups = document["training_rows"], document["bfloat16_speedup"]
     if training:
         first = training[0]
+        examples = "the cached `specdec distill` data" if config["cached_data"] else "float32's"
         lines += [
             "",
-            f"A fresh EAGLE-3 head trains {config['train_steps']} steps (`specdec distill`'s defaults) on float32's "
-            f"examples in each dtype (bfloat16: under autocast), median of {config['repeats']} interleaved repeats.",
+            f"A fresh EAGLE-3 head trains {config['train_steps']} steps ({config['unroll_steps']} unrolled) on "
+            f"{document['training_examples']} examples ({examples}) in each dtype (bfloat16: under autocast), median "
+            f"of {config['repeats']} interleaved repeats.",
             "",
             f"| training dtype | steps/s | response tokens/s | × {first['dtype']} | repeats (steps/s) |",
             "|---|---|---|---|---|",
@@ -198,6 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--train-steps", type=int, default=20, help="head training steps per dtype (0: no training)")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="the head's draft vocabulary")
+    parser.add_argument("--unroll-steps", type=int, default=3, help="training-time unrolled steps (the demo's: 1)")
+    parser.add_argument(
+        "--cached-data",
+        action="store_true",
+        help="skip the data section; train on the cached specdec distill data (at most --prompts examples)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note", default="", help="a paragraph for the report")
     parser.add_argument("--result-dir", type=Path, default=Path("bench/results"))

@@ -355,3 +355,36 @@ def test_distill_data_bench_times_both_dtypes_on_the_same_prompts_and_training_i
     assert document["auto_train_dtype"] in ("float32", "bfloat16")
     report = (tmp_path / "data.md").read_text()
     assert "| bfloat16 | 2 |" in report and "| training dtype |" in report
+
+
+def test_distill_data_bench_trains_on_the_cached_distill_data_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bench.distill_data
+    from specdec.cache import distill_data_dir
+    from specdec.distill.data import ShardWriter, generate_examples
+    from specdec.drafters.eagle_head import eagle3_layers
+    from specdec.runner import KVRunner
+    from specdec.sampling import SamplingParams
+    from tests.tiny_models import SMOLLM2, smollm2
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bench.distill_data, "load_model", lambda name, **_: smollm2())
+    runner = KVRunner(smollm2().model)
+    writer = ShardWriter(distill_data_dir(SMOLLM2) / "train")
+    prompts = [(f"p{i}", [1, 4 + i, 9, 30 + i, 2]) for i in range(3)]
+    greedy = SamplingParams(temperature=0.0)
+    layers = eagle3_layers(runner.num_layers)
+    for example in generate_examples(
+        runner, frozenset(), prompts, max_tokens=4, batch_size=3, sampling_for=lambda _: greedy, seed=0,
+        fused_layers=layers,
+    ):  # fmt: skip
+        writer.add(example)
+    writer.flush()
+    argv = ["--cached-data", "--prompts", "2", "--repeats", "1", "--dtypes", "float32", "--train-steps", "1",
+            "--draft-vocab", "256", "--result-dir", str(tmp_path), "--name", "cached"]  # fmt: skip
+    assert bench.distill_data.main(argv) == 0
+    document = json.loads((tmp_path / "cached.json").read_text())
+    assert document["rows"] == [] and document["training_examples"] == 2
+    assert [row["dtype"] for row in document["training_rows"]] == ["float32"]
+    assert "the cached `specdec distill` data" in (tmp_path / "cached.md").read_text()
