@@ -15,10 +15,10 @@ through its ``fc``), and its output (the row its LM head reads, :meth:`~EagleHea
 Losses count only positions that predict a response token, so a prompt's rows (but the last ``unroll_steps``) only
 give the others their keys and values: the head's last layer runs its queries, output projection and MLP on the
 rows from there on (:func:`query_rows`), and the unrolled steps run on those rows alone. On the demo's data (prompt
-rows ~40 % of all) that made steps 1.14x as fast at one unrolled step and 1.33x at three, the states of the loss rows
-unchanged. Batches group examples of similar length (right padding: causal attention never lets a real row see a
-pad). The learning rate warms up, then follows a cosine
-over the run, measured in steps (``steps``) or in elapsed time (``minutes``).
+rows ~40 % of all) that made steps 1.09-1.15x as fast at one unrolled step and 1.21-1.27x at three, the states of the
+loss rows unchanged. Batches group examples of similar length (right padding: causal attention never lets a real row
+see a pad). The learning rate warms up, then follows a cosine over the run, measured in steps (``steps``) or in
+elapsed time (``minutes``).
 """
 
 from __future__ import annotations
