@@ -35,7 +35,15 @@ from bench.arguments import comma_ints, comma_names
 from bench.load.report import run_metadata, write_report
 from specdec.cache import distill_data_dir
 from specdec.distill.data import Example, encode_chat, generate_examples, read_shards
-from specdec.distill.dtypes import TRAINING_ROWS, bfloat16_speedup, generation_dtype, model_in_dtype, training_dtype
+from specdec.distill.dtypes import (
+    GENERATION_ROWS,
+    TRAINING_ROWS,
+    bfloat16_speedup,
+    dtype_name,
+    generation_dtype,
+    model_in_dtype,
+    training_dtype,
+)
 from specdec.distill.prompts import load_prompt_set
 from specdec.distill.train import TrainConfig, choose_draft_vocab, make_batches, train
 from specdec.drafters.eagle_head import EagleHead, eagle3_layers
@@ -138,13 +146,9 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
         "training_rows": measure_training(args, target, examples) if args.train_steps > 0 else [],
         "bfloat16_speedup": speedups,
-        "auto_data_dtype": _name(generation_dtype("auto", target.model, lambda _: speedups["decode"])),
-        "auto_train_dtype": _name(training_dtype("auto", target.model, lambda _: speedups["training"])),
+        "auto_data_dtype": dtype_name(generation_dtype("auto", target.model, lambda _: speedups["decode"])),
+        "auto_train_dtype": dtype_name(training_dtype("auto", target.model, lambda _: speedups["training"])),
     }
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -200,7 +204,7 @@ def markdown(document: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        f"`bfloat16_speedup` here: {speedups['decode']:.2f} at 96 rows, {speedups['training']:.2f} at "
+        f"`bfloat16_speedup` here: {speedups['decode']:.2f} at {GENERATION_ROWS} rows, {speedups['training']:.2f} at "
         f"{TRAINING_ROWS}, so `auto` writes data in {document['auto_data_dtype']} and trains in "
         f"{document['auto_train_dtype']}.",
     ]

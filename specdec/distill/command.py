@@ -39,7 +39,7 @@ from specdec.distill.data import (
     read_shards,
     teacher_force_examples,
 )
-from specdec.distill.dtypes import generation_dtype, model_in_dtype, training_dtype
+from specdec.distill.dtypes import dtype_name, generation_dtype, model_in_dtype, training_dtype
 from specdec.distill.prompts import load_prompt_set
 from specdec.distill.train import (
     CHECKPOINT_FILE,
@@ -81,8 +81,8 @@ def run_distill(args: argparse.Namespace) -> int:
     data_dtype = generation_dtype(args.data_dtype, target.model)
     train_dtype = training_dtype(args.train_dtype, target.model)
     print(
-        f"training data in {_name(data_dtype)} (--data-dtype {args.data_dtype}), "
-        f"the head trains in {_name(train_dtype)} (--train-dtype {args.train_dtype})",
+        f"training data in {dtype_name(data_dtype)} (--data-dtype {args.data_dtype}), "
+        f"the head trains in {dtype_name(train_dtype)} (--train-dtype {args.train_dtype})",
         file=sys.stderr,
     )
     train_examples, held_out = collect_data(target, args, data_dir, fused=fused, dtype=data_dtype)
@@ -123,8 +123,8 @@ def run_distill(args: argparse.Namespace) -> int:
             "tokens_seen": seen[0],
             "draft_vocab": len(vocab),
             "data_minutes": round(data_minutes, 2),
-            "data_dtype": _name(data_dtype),
-            "train_dtype": _name(train_dtype),
+            "data_dtype": dtype_name(data_dtype),
+            "train_dtype": dtype_name(train_dtype),
             "train_minutes": round((time.monotonic() - train_started) / 60, 2),
             "held_out_agreement": [round(a, 4) for a in result.agree],
         }
@@ -265,10 +265,6 @@ def _draft_vocab(out: Path, examples: list[Example], size: int, target: LoadedMo
     vocab = choose_draft_vocab(examples, size, target.vocab_size, sorted(target.eos_token_ids))
     torch.save(vocab, path)
     return vocab
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _fmt(values: tuple[float, ...]) -> str:

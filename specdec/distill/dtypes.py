@@ -34,9 +34,10 @@ TRAINING_BFLOAT16_PAYS = 1.2
 # Training multiplies thousands of rows at once; measured at 96, a GPU would time kernel launches, not arithmetic,
 # and see no gain. 512 rows take ~1 s to measure on a 2-core CPU (0.62 on that Xeon, against 0.68 at 96 rows).
 TRAINING_ROWS = 512
+GENERATION_ROWS = 96  # a decode step of a full generation batch (specdec distill's --batch-size)
 
 
-def bfloat16_speedup(model: PreTrainedModel, rows: int = 96, repeats: int = 7) -> float:
+def bfloat16_speedup(model: PreTrainedModel, rows: int = GENERATION_ROWS, repeats: int = 7) -> float:
     """float32 time over bfloat16 time of a matrix multiply the size of ``model``'s MLP projections over ``rows``
     rows (a decode step of a full generation batch), on the model's device: about 4 on a 2-core Xeon with AMX, 0.57
     on one without (SmolLM2, 96 rows). Each dtype is warmed up, then the two are timed in turn ``repeats`` times
@@ -86,6 +87,11 @@ def _chosen(choice: str, field: str, model: PreTrainedModel, speedup: Speedup | 
     if check_distill_dtype(choice, field) != "auto":
         return getattr(torch, choice)
     return torch.bfloat16 if (speedup or bfloat16_speedup)(model) >= pays else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32``: the name ``--data-dtype`` and ``--train-dtype`` take and reports print."""
+    return str(dtype).removeprefix("torch.")
 
 
 def model_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.distill.data import Example
-from specdec.drafters.eagle_head import HEAD_CONTEXT, EagleHead, scaled_attention
+from specdec.drafters.eagle_head import HEAD_CONTEXT, EagleHead, gather_rows, scaled_attention
 from specdec.errors import InvalidArgumentError
 from specdec.sampling import argmax
 
@@ -244,7 +244,7 @@ def unrolled_forward(head: EagleHead, batch: Batch, steps: int) -> tuple[list[to
     predicted = head.forward_rows(batch.tokens, true_features, batch.positions, _UnrolledAttention(cache, masks), index)
     outputs.append(predicted)
     tokens, positions = batch.tokens.gather(1, index), batch.positions.gather(1, index)
-    first_features = true_features.gather(1, index[:, :1, None].expand(-1, -1, true_features.shape[-1]))
+    first_features = gather_rows(true_features, index[:, :1])
     for step in range(1, steps):
         # row i reads the last step's state at i - 1 (an index's first row: never the loss's, see query_rows)
         features = torch.cat([first_features, predicted[:, :-1]], dim=1)

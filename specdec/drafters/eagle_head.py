@@ -241,7 +241,7 @@ class EagleHead(nn.Module):
             x = first_input if index == 0 and first_input is not None else layer.input_layernorm(residual)
             queried = query_index if index == len(self.layers) - 1 else None
             if queried is not None:
-                residual = _rows(residual, queried)
+                residual = gather_rows(residual, queried)
             residual = residual + self._attention(index, layer.self_attn, x, cos, sin, attend, queried)
             residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
         if self.options is None or self.options.norm_output:
@@ -276,13 +276,13 @@ class EagleHead(nn.Module):
 
         key, value = rotated(heads(attn.k_proj, x), cos, sin), heads(attn.v_proj, x)
         if query_index is not None:
-            x, cos, sin = _rows(x, query_index), _rows(cos, query_index), _rows(sin, query_index)
+            x, cos, sin = (gather_rows(rows, query_index) for rows in (x, cos, sin))
         query = rotated(heads(attn.q_proj, x), cos, sin)
         out = attend(index, query, key, value)  # [B, heads, Q, head_dim]
         return attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
-def _rows(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_rows(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``index`` [B, Q] of ``states`` [B, T, W]: [B, Q, W]."""
     return states.gather(1, index[..., None].expand(-1, -1, states.shape[-1]))
 
