@@ -21,8 +21,9 @@ load hits all alike). Sections (``--sections``, default all; ``budgets`` needs `
 * ``trees``: greedy, the head as served (int8 draft layers, prompt lookup): chains γ = 3, 4 and 8 beside the dynamic
   trees of 4 nodes (depth 3, width 2 and 3) and of 8 (depth 4, width 2, 3 and 4; depth 5, width 2), and
   target-only;
-* ``lookup``: per category, greedy and temperature 0.7, target-only against the int8 head at γ = 4 alone and with
-  prompt lookup from each of :data:`LOOKUP_MIN_MATCHES` (the tail match that makes a round a lookup chain);
+* ``lookup``: per category, greedy and temperature 0.7, target-only against the ngram drafter and the int8 head at
+  γ = 4 alone and with prompt lookup from each of ``--lookup-min-matches`` (the tail match that makes a round a
+  lookup chain; default :data:`LOOKUP_MIN_MATCHES`);
 * ``budgets``: each head of ``--budget-heads`` (e.g. ``specdec distill --snapshot-minutes`` copies) at γ = 4,
   greedy: training budget -> held-out mean accepted length.
 
@@ -128,6 +129,7 @@ class Settings:
     max_tokens: int = 96
     draft_model: str | None = None
     budget_heads: tuple[Path, ...] = ()
+    lookup_min_matches: tuple[int, ...] = LOOKUP_MIN_MATCHES
 
 
 @dataclass(frozen=True)
@@ -453,10 +455,13 @@ def budgets_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Se
 
 
 def lookup_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
-    """Target-only and the int8 head at γ = 4 with each of :data:`LOOKUP_MIN_MATCHES`, greedy and T = 0.7, with
-    tokens per round and speed by category."""
-    engines: dict[str, RecordingEngine] = {"target-only": recording_engine(target, None)}
-    for min_match in LOOKUP_MIN_MATCHES:
+    """Target-only, the ngram drafter and the int8 head at γ = 4 with each of the settings' lookup tail matches,
+    greedy and T = 0.7, with tokens per round and speed by category."""
+    engines: dict[str, RecordingEngine] = {
+        "target-only": recording_engine(target, None),
+        "ngram": recording_engine(target, build_drafter("ngram", target, SHAPES[BUDGET_SHAPE])),
+    }
+    for min_match in settings.lookup_min_matches:
         [drafter] = eagle_drafters(
             target, settings.draft_model, [BUDGET_SHAPE], quantization="int8", lookup_min_match=min_match
         ).values()
@@ -739,6 +744,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--sections", help=f"comma-separated, of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--budget-heads", default="", help="comma-separated head directories (budgets section)")
+    parser.add_argument(
+        "--lookup-min-matches",
+        default=",".join(map(str, LOOKUP_MIN_MATCHES)),
+        help="lookup section: the tail matches that make a round a lookup chain (0: the head alone)",
+    )
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     sections = args.sections.split(",") if args.sections else list(SECTIONS)
@@ -757,7 +767,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = heldout_prompts(target, args.num_prompts)
     command = shlex.join(["python", "-m", "bench.eagle", *argv])
     meta = describe(args.target, args.draft_model, prompts, args.max_tokens, command)
-    settings = Settings(args.max_tokens, args.draft_model, budget_heads)
+    min_matches = tuple(int(match) for match in args.lookup_min_matches.split(","))
+    settings = Settings(args.max_tokens, args.draft_model, budget_heads, min_matches)
     stem = "eagle" if not args.sections else "-".join(["eagle", *sections])
     payload = run_sections(target, prompts, sections, settings, meta, args.output_dir / stem)
     print(markdown(payload))
