@@ -13,7 +13,7 @@ from grpc_common.convert import MAX_PROPOSAL_NODES
 from grpc_common.metrics import check_metrics_port, parse_metrics_port
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
 from specdec.drafter_kinds import DRAFTER_KINDS
-from specdec.drafters import DEFAULT_LOOKUP_MIN_MATCH, DraftConfig, check_quantizable
+from specdec.drafters import DraftConfig, check_quantizable
 from specdec.errors import InvalidArgumentError
 from specdec.precision import DRAFT_QUANTIZATIONS, MODEL_DTYPES, check_dtype
 
@@ -42,8 +42,9 @@ class DrafterConfig:
     ``max_batch_calls`` calls. ``eagle_context`` (default 640, the span ``specdec distill`` trains a head on) is how
     many head positions an eagle drafter attends over, and so how many of a prompt's feature rows it is sent;
     ``draft_quantization`` (``auto``, ``none``, ``int8``) what its head's draft layers run on (only an eagle head's
-    can be int8; ``auto``: int8 where a float32 head runs on a CPU that can); ``lookup_min_match`` (default 5; 0:
-    never) makes an eagle round whose text's tail of at least that many tokens occurred before a prompt-lookup chain.
+    can be int8; ``auto``: int8 where a float32 head runs on a CPU that can); ``lookup_min_match`` (0: never; default:
+    the tail ``specdec distill`` chose for the head, else 5) makes an eagle round whose text's tail of at least that
+    many tokens occurred before a prompt-lookup chain.
     """
 
     kind: str
@@ -71,7 +72,7 @@ class DrafterConfig:
     max_batch_calls: int = 1024
     max_seq_len: int = 32768
     eagle_context: int | None = None  # None: the head's default (HEAD_CONTEXT)
-    lookup_min_match: int = DEFAULT_LOOKUP_MIN_MATCH
+    lookup_min_match: int | None = None  # None: the head's choice (specdec distill measured it), else 5
     draft_quantization: str = "auto"
 
     def __post_init__(self) -> None:
@@ -98,7 +99,7 @@ class DrafterConfig:
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.lookup_min_match < 0:
+        if self.lookup_min_match is not None and self.lookup_min_match < 0:
             raise InvalidArgumentError("lookup_min_match", f"must be >= 0 (0: never), got {self.lookup_min_match}")
         if self.eagle_context is not None and self.eagle_context < 1:
             raise InvalidArgumentError("eagle_context", f"must be >= 1, got {self.eagle_context}")
@@ -173,7 +174,8 @@ class DrafterConfig:
             "lookup_min_match",
             int,
             "an eagle round whose text's last tokens, at least this many, occurred before drafts what followed them "
-            "(prompt lookup) instead of running the head (0: never)",
+            "(prompt lookup) instead of running the head (0: never; default: the head's, which specdec distill "
+            "measured, else 5)",
         )
         option(
             "draft_quantization",

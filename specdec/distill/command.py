@@ -11,12 +11,15 @@ Stages, each resumable (rerunning the same command continues where a killed one 
 3. **training** — :func:`specdec.distill.train.train` for ``--steps`` or ``--minutes``, with a progress bar
    (loss, held-out agreement of the head's argmax with the target's at unroll steps 1..S);
 4. the head with the best held-out agreement is saved to ``--out`` (default: the cached head ``--drafter eagle``
-   uses, :func:`~specdec.cache.default_head_dir`) in the speculators layout.
+   uses, :func:`~specdec.cache.default_head_dir`) in the speculators layout;
+5. **prompt lookup** — on the held-out rows, the tail match from which a prompt-lookup chain commits more than that
+   head's (:mod:`specdec.distill.lookup_choice`), kept in its ``config.json`` for the drafter that serves it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import random
@@ -40,9 +43,11 @@ from specdec.distill.data import (
     teacher_force_examples,
 )
 from specdec.distill.dtypes import dtype_name, generation_dtype, model_in_dtype, training_dtype
+from specdec.distill.lookup_choice import calibrate_lookup
 from specdec.distill.prompts import load_prompt_set
 from specdec.distill.train import (
     CHECKPOINT_FILE,
+    Batch,
     EvalResult,
     TrainConfig,
     choose_draft_vocab,
@@ -50,7 +55,7 @@ from specdec.distill.train import (
     train,
     with_target_argmax,
 )
-from specdec.drafters.eagle_head import EagleHead, HeadInfo, eagle3_layers, save_head
+from specdec.drafters.eagle_head import EagleHead, HeadInfo, eagle3_layers, load_head, save_head
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel, load_model, quiet_model_loading
 from specdec.runner import KVRunner
@@ -152,8 +157,21 @@ def run_distill(args: argparse.Namespace) -> int:
     if best[0] < 0:
         save_head(head, out, info)
         _write_summary(out, summary(result))
-    print(json.dumps(summary(result)))
+    print(json.dumps(_choose_lookup(out, held_out_batches)))
     return 0
+
+
+def _choose_lookup(out: Path, held_out: list[Batch]) -> dict:
+    """Measure which prompt-lookup tail pays with the saved head (:mod:`specdec.distill.lookup_choice`) and keep it
+    in its config and summary; the summary."""
+    head, info = load_head(out)
+    choice = calibrate_lookup(head, held_out)
+    save_head(head, out, dataclasses.replace(info, lookup_min_match=choice.min_match))
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    summary["lookup_min_match"] = choice.min_match
+    summary["lookup_accepted_per_row"] = {str(size): round(value, 4) for size, value in choice.accepted.items()}
+    _write_summary(out, summary)
+    return summary
 
 
 def _write_summary(directory: Path, summary: dict) -> None:

@@ -80,6 +80,7 @@ class Batch:
     positions: torch.Tensor
     loss_mask: torch.Tensor
     target_top: torch.Tensor | None = None  # [R] (held-out batches): see :func:`with_target_argmax`
+    target_token: torch.Tensor | None = None  # [R] (held-out batches): the target's argmax token at each loss row
 
     @property
     def num_tokens(self) -> int:
@@ -158,8 +159,9 @@ def _collate(examples: list[Example], max_length: int, fused: bool) -> Batch:
 
 
 def with_target_argmax(batches: Sequence[Batch], lm_head: torch.Tensor, draft_ids: torch.Tensor) -> list[Batch]:
-    """``batches`` with ``target_top``: at every loss row the argmax of the target's whole LM head (``lm_head``
-    [V, H] over the ``targets`` rows) as an index into ``draft_ids``, or -1 when that token is outside them.
+    """``batches`` with ``target_token``: at every loss row the argmax of the target's whole LM head (``lm_head``
+    [V, H] over the ``targets`` rows), and ``target_top``: that token as an index into ``draft_ids``, or -1 when it
+    is outside them.
 
     Agreement measured against the argmax of the draft vocabulary's rows alone counts a row whose target token the
     draft vocabulary lacks as agreed whenever the head picks the best token it has; drafting can never propose that
@@ -173,7 +175,8 @@ def with_target_argmax(batches: Sequence[Batch], lm_head: torch.Tensor, draft_id
     for batch in batches:
         rows = batch.targets[batch.loss_mask]
         top = [argmax(chunk.float() @ weight.T) for chunk in rows.split(_ARGMAX_ROWS)]
-        marked.append(replace(batch, target_top=index_of[torch.cat(top)] if top else index_of[:0]))
+        tokens = torch.cat(top) if top else index_of[:0]
+        marked.append(replace(batch, target_top=index_of[tokens], target_token=tokens))
     return marked
 
 

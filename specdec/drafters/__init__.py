@@ -65,7 +65,7 @@ def build_drafter(
     head_dtype: torch.dtype | None = None,
     eagle_context: int = HEAD_CONTEXT,
     draft_quantization: str = "auto",
-    lookup_min_match: int = DEFAULT_LOOKUP_MIN_MATCH,
+    lookup_min_match: int | None = None,
 ) -> Drafter | None:
     """The drafter of ``kind`` for ``target`` (``None`` for ``kind == "none"``).
 
@@ -74,7 +74,8 @@ def build_drafter(
     ``head_dtype`` (None: the target's dtype), attending over ``eagle_context`` head positions, its draft layers
     ``draft_quantization`` (:class:`~specdec.drafters.eagle.EagleDrafter`; ``auto``: int8 where a float32 head runs
     on a CPU that can); only an eagle head can be int8. An eagle round whose text's tail occurred before, at least
-    ``lookup_min_match`` tokens of it (0: never), is a prompt-lookup chain instead of the head's draft.
+    ``lookup_min_match`` tokens of it (0: never; None: the head's choice, :meth:`EagleDrafter.load`), is a
+    prompt-lookup chain instead of the head's draft.
     """
     check_quantizable(kind, draft_quantization)
     if kind in SHAPE_ONLY_KINDS:
@@ -116,7 +117,7 @@ def build_shape_drafter(
     device: str | torch.device = "cpu",
     eagle_context: int = HEAD_CONTEXT,
     quantization: str = "auto",
-    lookup_min_match: int = DEFAULT_LOOKUP_MIN_MATCH,
+    lookup_min_match: int | None = None,
 ) -> Drafter | None:
     """A drafter of one of :data:`SHAPE_ONLY_KINDS`, which run none of the target's weights, from the target's
     sizes alone (:func:`~specdec.models.load_shape`); ``eagle``: its head in ``dtype`` on ``device``, its draft

@@ -205,13 +205,18 @@ class EagleDrafter(SequenceDrafter[_Sequence]):
         device: str | torch.device = "cpu",
         context: int = HEAD_CONTEXT,
         quantization: str = "none",
-        lookup_min_match: int = DEFAULT_LOOKUP_MIN_MATCH,
+        lookup_min_match: int | None = None,
     ) -> EagleDrafter:
         """The head stored in ``directory`` (checked against the target's sizes), its weights in ``dtype`` on
-        ``device``, its draft layers ``quantization``, prompt lookup from ``lookup_min_match`` (see the class).
+        ``device``, its draft layers ``quantization``, prompt lookup from ``lookup_min_match`` (see the class; None:
+        the tail ``specdec distill`` chose for the head, or :data:`~specdec.lookup.DEFAULT_LOOKUP_MIN_MATCH` for a
+        head without one).
         bfloat16 halves the bytes a draft step reads; the rotary frequencies stay float32, and q is always computed in
         float32 from the head's logits."""
-        head, _ = load_head(directory, hidden_size=hidden_size, vocab_size=vocab_size)
+        head, info = load_head(directory, hidden_size=hidden_size, vocab_size=vocab_size)
+        if lookup_min_match is None:
+            chosen = info.lookup_min_match
+            lookup_min_match = DEFAULT_LOOKUP_MIN_MATCH if chosen is None else chosen
         head.to(device)
         for parameter in head.parameters():
             parameter.data = parameter.data.to(dtype)

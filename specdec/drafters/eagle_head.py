@@ -34,7 +34,9 @@ Checkpoints use the vLLM ``speculators`` layout: ``config.json`` (``speculators_
 offset) and ``t2d`` (target ids in the draft vocabulary). An EAGLE-3 checkpoint is what vLLM's
 ``Eagle3LlamaForCausalLM`` loads (``--speculative-config '{"model": DIR}'``; ``tests/test_eagle3_layout.py``
 recomputes vLLM's forward from the file by weight name); its ``eagle_aux_hidden_state_layer_ids`` count the
-embedding output as 0, so they are one more than :func:`eagle3_layers`.
+embedding output as 0, so they are one more than :func:`eagle3_layers`. Beyond that layout, ``config.json`` may hold
+``specdec_lookup_min_match``: the prompt-lookup tail ``specdec distill`` measured pays with this head
+(:mod:`specdec.distill.lookup_choice`), which an eagle drafter uses unless told otherwise.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ SPECULATORS_MODEL_TYPE, FUSED_MODEL_TYPE = "eagle", "eagle3"
 # drafting keeps of the committed text, so a long prompt costs the head no more than this to draft from.
 HEAD_CONTEXT = 640
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+LOOKUP_KEY = (
+    "specdec_lookup_min_match"  # config.json: the prompt-lookup tail distill chose (specdec.distill.lookup_choice)
+)
 
 # attend(layer index, query [B, heads, T, d], key [B, kv_heads, T, d], value) -> [B, heads, T, d]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,6 +82,9 @@ class HeadInfo:
 
     verifier: str
     num_draft_tokens: int
+    lookup_min_match: int | None = (
+        None  # prompt lookup's tail that distill measured pays (0: never; None: not measured)
+    )
 
 
 @dataclass(frozen=True)
@@ -327,6 +335,8 @@ def save_head(head: EagleHead, directory: Path, info: HeadInfo) -> None:
             "verifier": {"name_or_path": info.verifier, "architectures": ["LlamaForCausalLM"]},
         },
     }
+    if info.lookup_min_match is not None:
+        config[LOOKUP_KEY] = info.lookup_min_match
     if options is None:
         config.update(layernorms=True, fusion_bias=False)
     else:
@@ -358,6 +368,7 @@ def load_head(
         verifier = config["speculators_config"]["verifier"]["name_or_path"]
         methods = config["speculators_config"].get("proposal_methods") or [{}]
         num_draft_tokens = int(methods[0].get("speculative_tokens", 4))
+        lookup_min_match = None if config.get(LOOKUP_KEY) is None else int(config[LOOKUP_KEY])
         aux_layers = config.get("eagle_aux_hidden_state_layer_ids") if model_type == FUSED_MODEL_TYPE else None
         feature_layers = tuple(int(k) - 1 for k in aux_layers or ())
         names = [option.name for option in fields(Eagle3Options)]  # absent: vLLM's default
@@ -366,6 +377,8 @@ def load_head(
         raise InvalidArgumentError("draft_model", f"{config_path}: not a speculators config ({error!r})") from error
     if model_type not in (SPECULATORS_MODEL_TYPE, FUSED_MODEL_TYPE):
         raise InvalidArgumentError("draft_model", f"{config_path}: speculators_model_type {model_type!r} is not served")
+    if lookup_min_match is not None and lookup_min_match < 0:
+        raise InvalidArgumentError("draft_model", f"{config_path}: {LOOKUP_KEY} must be >= 0, got {lookup_min_match}")
     if config.get("feature") == "rms_normalised_layer_outputs":
         raise InvalidArgumentError(
             "draft_model",
@@ -399,4 +412,4 @@ def load_head(
             "draft_model", f"{weights_path}: weights do not match the config ({reason})"
         ) from error
     head.eval().requires_grad_(False)
-    return head, HeadInfo(verifier, num_draft_tokens)
+    return head, HeadInfo(verifier, num_draft_tokens, lookup_min_match)

@@ -1,0 +1,120 @@
+"""Distill's choice of a head's prompt-lookup tail: the accepted lengths it measures per held-out row are the ones the
+served drafter's greedy chains get, the choice follows them (worked examples), and a drafter serving the head uses it
+unless told otherwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.distill.lookup_choice import RowChains, choose_min_match, row_chains
+from specdec.distill.train import make_batches, with_target_argmax
+from specdec.drafters import DEFAULT_LOOKUP_MIN_MATCH, DraftConfig, EagleDrafter
+from specdec.drafters.eagle_head import LOOKUP_KEY, HeadInfo, save_head
+from specdec.errors import InvalidArgumentError
+from specdec.lookup import LookupIndex
+from specdec.models import LoadedModel
+from specdec.sampling import make_generator
+from tests.test_eagle import FUSED, GREEDY, VOCAB, examples_of, random_head, true_features
+from tests.tiny_models import tiny_llama
+
+DEPTH = 3
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return tiny_llama(seed=7, vocab_size=VOCAB, num_layers=2)
+
+
+@pytest.mark.parametrize("feature_layers", [(), FUSED], ids=["final-norm", "fused"])
+def test_row_lengths_are_what_the_served_drafter_gets_accepted(
+    target: LoadedModel, feature_layers: tuple[int, ...]
+) -> None:
+    """At every response row of greedy held-out text: the head's length is how many tokens of the eagle drafter's
+    greedy chain (no lookup) the text continues with, lookup's how many of the lookup chain's, and the match the
+    longest tail lookup finds (a tiny random target repeats itself, so both kinds of chain get accepted)."""
+    examples = examples_of(
+        target, [[1, 2, 3], [4, 5, 6, 7]], max_tokens=20, temperature=0.0, fused_layers=feature_layers
+    )
+    head = random_head(target, seed=3, vocab=torch.tensor([0, 1, 2, 3, 5, 6, 7, 9, 11, 12, 14]),
+                       feature_layers=feature_layers)  # fmt: skip
+    batches = make_batches(examples, 3072, 640, fused=bool(feature_layers))
+    batches = with_target_argmax(batches, target.model.get_output_embeddings().weight, head.draft_to_target)
+    measured = RowChains.cat([row_chains(head, batch, DEPTH) for batch in batches])
+    drafter = EagleDrafter(head, DraftConfig(num_draft_tokens=DEPTH, draft_top_k=0), lookup_min_match=0)
+    expected_head, expected_lookup, expected_match = [], [], []
+    ordered = sorted(examples, key=lambda example: len(example.token_ids))  # make_batches' order
+    for example in ordered:
+        text = example.token_ids.tolist()
+        features = true_features(target, text, feature_layers)
+        last_row = len(text) - 3  # batch row j holds token j + 1; the last row's next token is outside the batch
+        for row in range(example.prompt_length - 2, last_row + 1):
+            known = text[: row + 2]
+            handle = drafter.open(known, GREEDY, make_generator(0))
+            drafter.add_features(handle, 0, features[: len(known) - 1])
+            (proposal,) = drafter.propose([handle], [DEPTH])
+            drafter.close(handle)
+            chain = [proposal.tree.tokens[node] for node in range(len(proposal.tree))]
+            expected_head.append(_accepted(chain, text, len(known), last_row - row))
+            index = LookupIndex(known[1:])  # a batch row's text starts after the first token
+            sizes = [size for size in range(1, 9) if index.prompt_lookup(size, DEPTH)]
+            lookup = index.prompt_lookup(1, DEPTH)
+            expected_lookup.append(_accepted(lookup, text, len(known), last_row - row))
+            expected_match.append(max(sizes, default=0))
+    assert measured.head.tolist() == expected_head
+    assert measured.lookup.tolist() == expected_lookup
+    assert measured.match.tolist() == expected_match
+    assert sum(expected_head) > 0 and sum(expected_lookup) > 0  # both kinds of chain are accepted somewhere
+
+
+def _accepted(chain: list[int], text: list[int], start: int, room: int) -> int:
+    """Leading tokens of ``chain`` the greedy text continues with from ``start`` (at most ``room``: the rows left)."""
+    accepted = 0
+    while accepted < min(len(chain), room) and chain[accepted] == text[start + accepted]:
+        accepted += 1
+    return accepted
+
+
+def test_the_choice_is_the_tail_whose_rows_commit_most() -> None:
+    """Five rows: the head gets 2, 1, 0, 2, 0 accepted; lookup, where it matched (tails 1, 2, 3, 0, 5), gets
+    0, 3, 3, -, 4. Taking lookup from a tail of 2 on: 2 + 3 + 3 + 2 + 4 = 14 over 5 rows, the best."""
+    chains = RowChains(torch.tensor([2, 1, 0, 2, 0]), torch.tensor([0, 3, 3, 0, 4]), torch.tensor([1, 2, 3, 0, 5]))
+    choice = choose_min_match(chains)
+    assert choice.min_match == 2
+    assert choice.accepted[0] == pytest.approx(5 / 5)  # never: the head everywhere
+    assert choice.accepted[1] == pytest.approx(12 / 5)
+    assert choice.accepted[2] == pytest.approx(14 / 5)
+    assert choice.accepted[3] == pytest.approx(12 / 5)
+    assert choice.accepted[5] == pytest.approx(9 / 5)
+
+
+def test_a_head_that_lookup_never_beats_keeps_lookup_off_and_ties_keep_the_longer_tail() -> None:
+    head_wins = RowChains(torch.tensor([3, 3, 3]), torch.tensor([1, 2, 3]), torch.tensor([1, 4, 6]))
+    assert choose_min_match(head_wins).min_match == 0
+    # lookup matches only from a tail of 6 and is as good as the head there: no reason to move rounds to it
+    tie = RowChains(torch.tensor([1, 2, 3]), torch.tensor([0, 0, 3]), torch.tensor([0, 0, 6]))
+    assert choose_min_match(tie).min_match == 0
+    # lookup better at the tail of 6 alone: every tail up to 6 takes that row alike, so 6 (fewest rounds moved)
+    better = RowChains(torch.tensor([1, 2, 1]), torch.tensor([0, 0, 3]), torch.tensor([0, 0, 6]))
+    assert choose_min_match(better).min_match == 6
+
+
+def test_a_drafter_serves_the_heads_lookup_tail_unless_told_otherwise(target: LoadedModel, tmp_path: Path) -> None:
+    head = random_head(target)
+    chosen, unmeasured = tmp_path / "chosen", tmp_path / "unmeasured"
+    save_head(head, chosen, HeadInfo(verifier=target.name, num_draft_tokens=4, lookup_min_match=2))
+    save_head(head, unmeasured, HeadInfo(verifier=target.name, num_draft_tokens=4))
+
+    def served(directory: Path, **options: int) -> int:
+        return EagleDrafter.load(directory, DraftConfig(), hidden_size=32, vocab_size=VOCAB, **options).lookup_min_match
+
+    assert served(chosen) == 2
+    assert served(chosen, lookup_min_match=0) == 0  # the operator's flag wins
+    assert served(unmeasured) == DEFAULT_LOOKUP_MIN_MATCH  # a head from before distill measured it
+    config = json.loads((chosen / "config.json").read_text())
+    (chosen / "config.json").write_text(json.dumps({**config, LOOKUP_KEY: -1}))
+    with pytest.raises(InvalidArgumentError, match=rf"^draft_model: .*config.json: {LOOKUP_KEY} must be >= 0, got -1$"):
+        served(chosen)
