@@ -102,6 +102,22 @@ def test_a_head_that_lookup_never_beats_keeps_lookup_off_and_ties_keep_the_longe
     assert choose_min_match(better).min_match == 6
 
 
+def test_a_shorter_tail_must_beat_a_longer_one_by_more_than_the_tolerance() -> None:
+    """200 rows: from a tail of 2, lookup takes 100 rows and commits 1 more on each (+0.5 a row); from a tail of 1
+    it takes one row more and commits 1 more there (+0.005 a row, 0.27 % of the best): 2 is kept."""
+    head = torch.zeros(200, dtype=torch.long)
+    head[:100] = 1
+    lookup = head.clone()
+    lookup[:100] = 2
+    lookup[100] = 1
+    match = torch.zeros(200, dtype=torch.long)
+    match[:100] = 2
+    match[100] = 1
+    choice = choose_min_match(RowChains(head, lookup, match))
+    assert choice.accepted[1] > choice.accepted[2] > choice.accepted[3]
+    assert choice.min_match == 2
+
+
 def test_a_drafter_serves_the_heads_lookup_tail_unless_told_otherwise(target: LoadedModel, tmp_path: Path) -> None:
     head = random_head(target)
     chosen, unmeasured = tmp_path / "chosen", tmp_path / "unmeasured"
