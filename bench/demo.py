@@ -171,8 +171,10 @@ def ensure_head(head: Path | None = None) -> None:
           f"`{FULL_HEAD_COMMAND}`) …", flush=True)  # fmt: skip
     started = time.perf_counter()
     summary = json.loads(specdec("distill", *DEMO_HEAD_ARGS, timeout_s=1200).strip().splitlines()[-1])
-    print(f"  {summary['examples']} conversations, {summary['training_tokens']} response tokens, "
-          f"{time.perf_counter() - started:.0f} s\n", flush=True)  # fmt: skip
+    lookup = summary["lookup_min_match"]
+    print(f"  {summary['examples']} conversations, {summary['training_tokens']} response tokens, held-out agreement "
+          f"{summary['held_out_agreement'][0]:.3f}, prompt lookup {f'from a {lookup}-token tail' if lookup else 'off'} "
+          f"(measured), {time.perf_counter() - started:.0f} s\n", flush=True)  # fmt: skip
 
 
 def first_router(up: dict) -> dict:
