@@ -61,9 +61,7 @@ SPECULATORS_MODEL_TYPE, FUSED_MODEL_TYPE = "eagle", "eagle3"
 # drafting keeps of the committed text, so a long prompt costs the head no more than this to draft from.
 HEAD_CONTEXT = 640
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-LOOKUP_KEY = (
-    "specdec_lookup_min_match"  # config.json: the prompt-lookup tail distill chose (specdec.distill.lookup_choice)
-)
+LOOKUP_KEY = "specdec_lookup_min_match"  # config.json: the lookup tail distill chose (specdec.distill.lookup_choice)
 
 # attend(layer index, query [B, heads, T, d], key [B, kv_heads, T, d], value) -> [B, heads, T, d]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -82,9 +80,7 @@ class HeadInfo:
 
     verifier: str
     num_draft_tokens: int
-    lookup_min_match: int | None = (
-        None  # prompt lookup's tail that distill measured pays (0: never; None: not measured)
-    )
+    lookup_min_match: int | None = None  # the prompt-lookup tail distill chose (0: never; None: not measured)
 
 
 @dataclass(frozen=True)
