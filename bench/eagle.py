@@ -60,7 +60,7 @@ from specdec.cache import default_head_dir
 from specdec.distill.command import SUMMARY_FILE
 from specdec.distill.data import encode_chat
 from specdec.distill.prompts import load_prompt_set
-from specdec.drafters import DEFAULT_LOOKUP_MIN_MATCH, DraftConfig, Drafter, EagleDrafter, Proposal, build_drafter
+from specdec.drafters import DraftConfig, Drafter, EagleDrafter, Proposal, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel, load_model, quiet_model_loading
@@ -230,10 +230,11 @@ def eagle_drafters(
     draft_model: str | None,
     shapes: Sequence[str] = tuple(SHAPES),
     quantization: str = "none",
-    lookup_min_match: int = 0,
+    lookup_min_match: int | None = 0,
 ) -> dict[str, EagleDrafter]:
     """One drafter per named :data:`SHAPES` entry, all over one head (``build_drafter`` finds and checks it), its
-    draft layers ``quantization``; prompt lookup from ``lookup_min_match`` (0, the default here: the head alone)."""
+    draft layers ``quantization``; prompt lookup from ``lookup_min_match`` (0, the default here: the head alone;
+    None: the tail distill chose for the head, as served)."""
     first_name, *rest = shapes
     first = cast(
         EagleDrafter,
@@ -248,7 +249,7 @@ def eagle_drafters(
     )
     return {
         first_name: first,
-        **{name: EagleDrafter(first.head, SHAPES[name], lookup_min_match=lookup_min_match) for name in rest},
+        **{name: EagleDrafter(first.head, SHAPES[name], lookup_min_match=first.lookup_min_match) for name in rest},
     }
 
 
@@ -375,9 +376,7 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
         lookup_min_match=0,
     )
     int8 = eagle_drafters(target, settings.draft_model, INT8_SHAPES, quantization="int8")
-    lookup = eagle_drafters(
-        target, settings.draft_model, LOOKUP_SHAPES, quantization="int8", lookup_min_match=DEFAULT_LOOKUP_MIN_MATCH
-    )
+    lookup = eagle_drafters(target, settings.draft_model, LOOKUP_SHAPES, quantization="int8", lookup_min_match=None)
     greedy: dict[str, Generate] = {
         "target-only": engine_generator(engine(None), max_tokens),
         "target-only, torch's own matmuls": engine_generator(engine(None, pack_weights=False), max_tokens),
@@ -411,9 +410,7 @@ def speed_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Sett
 def trees_section(target: LoadedModel, prompts: Sequence[Prompt], settings: Settings) -> list[dict[str, Any]]:
     """Greedy, the head as served (int8 draft layers, prompt lookup): the :data:`TREE_SHAPES` chains and dynamic
     trees, each tree beside the chain that verifies as many positions, and target-only."""
-    drafters = eagle_drafters(
-        target, settings.draft_model, TREE_SHAPES, quantization="int8", lookup_min_match=DEFAULT_LOOKUP_MIN_MATCH
-    )
+    drafters = eagle_drafters(target, settings.draft_model, TREE_SHAPES, quantization="int8", lookup_min_match=None)
 
     def generator(drafter: Drafter | None) -> Generate:
         return engine_generator(timed_engine(target, drafter), settings.max_tokens)

@@ -181,12 +181,12 @@ def test_eagle_acceptance_section_on_a_tiny_model(tmp_path: Path) -> None:
 
 
 def test_eagle_lookup_section_on_a_tiny_model(tmp_path: Path) -> None:
-    """Target-only, the head alone and each lookup threshold, greedy and T = 0.7, with each category's tokens per
-    round and speed-up; a prompt repeating itself is drafted from its first round on by lookup only."""
+    """Target-only, ngram, the head alone and each lookup threshold, greedy and T = 0.7, with each category's tokens
+    per round and speed-up; a prompt repeating itself is drafted from its first round on by lookup only."""
     from bench.eagle import LOOKUP_MIN_MATCHES, SAMPLINGS
 
     rows, report = _tiny_eagle_section(tmp_path, "lookup")
-    names = ["target-only", *(f"lookup ≥ {m}" if m else "head alone" for m in LOOKUP_MIN_MATCHES)]
+    names = ["target-only", "ngram", *(f"lookup ≥ {m}" if m else "head alone" for m in LOOKUP_MIN_MATCHES)]
     assert [(r["sampling"], r["config"]) for r in rows] == [(s, n) for s in SAMPLINGS for n in names]
     for row in rows:
         assert set(row["by_category"]) == {"a", "b"} and row["speedup"] > 0
@@ -195,7 +195,8 @@ def test_eagle_lookup_section_on_a_tiny_model(tmp_path: Path) -> None:
     by_name = {(r["sampling"], r["config"]): r for r in rows}
     # every request's first round: nothing to draft from for the head, a whole chain by lookup on the copy prompt
     assert by_name["greedy", "lookup ≥ 5"]["drafted_rounds"] > by_name["greedy", "head alone"]["drafted_rounds"]
-    assert "| greedy | lookup ≥ 5 |" in report
+    assert by_name["greedy", "ngram"]["draft_tokens"] > 0
+    assert "| greedy | lookup ≥ 5 |" in report and "| greedy | ngram |" in report
 
 
 def test_eagle_trees_section_on_a_tiny_model(tmp_path: Path) -> None:
