@@ -75,7 +75,7 @@ def test_training_data_comes_from_a_bfloat16_copy_and_held_out_data_from_the_tar
     # the prompt-lookup tail measured on the held-out rows is kept with the head, for the drafter that serves it
     head_config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert head_config["specdec_lookup_min_match"] == summary["lookup_min_match"]
-    assert set(summary["lookup_accepted_per_row"]) == {str(size) for size in range(9)}
+    assert set(summary["lookup_tokens_per_round"]) == {str(size) for size in range(9)}
     exact = KVRunner(smollm2().model)
     data = distill_data_dir(SMOLLM2)
     held_out, train = read_shards(data / "heldout"), read_shards(data / "train")

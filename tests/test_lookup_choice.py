@@ -78,43 +78,54 @@ def _accepted(chain: list[int], text: list[int], start: int, room: int) -> int:
     return accepted
 
 
-def test_the_choice_is_the_tail_whose_rows_commit_most() -> None:
-    """Five rows: the head gets 2, 1, 0, 2, 0 accepted; lookup, where it matched (tails 1, 2, 3, 0, 5), gets
-    0, 3, 3, -, 4. Taking lookup from a tail of 2 on: 2 + 3 + 3 + 2 + 4 = 14 over 5 rows, the best."""
-    chains = RowChains(torch.tensor([2, 1, 0, 2, 0]), torch.tensor([0, 3, 3, 0, 4]), torch.tensor([1, 2, 3, 0, 5]))
-    choice = choose_min_match(chains)
+def chains(head: list[int], lookup: list[int], match: list[int], text: list[int] | None = None) -> RowChains:
+    columns = (head, lookup, match, text or [0] * len(head))
+    return RowChains(*(torch.tensor(column, dtype=torch.long) for column in columns))
+
+
+def test_the_choice_is_the_tail_whose_walk_commits_most_per_round() -> None:
+    """One text of 6 rows. The head alone: a round at row 0 accepts 1 (2 tokens), then rows 2, 3, 4 and 5 accept
+    nothing: 6 tokens in 5 rounds. Lookup matches a 2-token tail at row 2 and accepts 3 there: from a tail of 1 or 2
+    the walk is row 0 (2 tokens), row 2 (the 4 rows left): 6 tokens in 2 rounds. 2 is kept (the longer of the two)."""
+    choice = choose_min_match(chains([1, 0, 0, 0, 0, 0], [0, 0, 3, 0, 0, 0], [0, 0, 2, 0, 0, 0]))
+    assert choice.tokens_per_round[0] == pytest.approx(6 / 5)
+    assert choice.tokens_per_round[1] == choice.tokens_per_round[2] == pytest.approx(6 / 2)
+    assert choice.tokens_per_round[3] == pytest.approx(6 / 5)
     assert choice.min_match == 2
-    assert choice.accepted[0] == pytest.approx(5 / 5)  # never: the head everywhere
-    assert choice.accepted[1] == pytest.approx(12 / 5)
-    assert choice.accepted[2] == pytest.approx(14 / 5)
-    assert choice.accepted[3] == pytest.approx(12 / 5)
-    assert choice.accepted[5] == pytest.approx(9 / 5)
 
 
-def test_a_head_that_lookup_never_beats_keeps_lookup_off_and_ties_keep_the_longer_tail() -> None:
-    head_wins = RowChains(torch.tensor([3, 3, 3]), torch.tensor([1, 2, 3]), torch.tensor([1, 4, 6]))
-    assert choose_min_match(head_wins).min_match == 0
-    # lookup matches only from a tail of 6 and is as good as the head there: no reason to move rounds to it
-    tie = RowChains(torch.tensor([1, 2, 3]), torch.tensor([0, 0, 3]), torch.tensor([0, 0, 6]))
-    assert choose_min_match(tie).min_match == 0
-    # lookup better at the tail of 6 alone: every tail up to 6 takes that row alike, so 6 (fewest rounds moved)
-    better = RowChains(torch.tensor([1, 2, 1]), torch.tensor([0, 0, 3]), torch.tensor([0, 0, 6]))
-    assert choose_min_match(better).min_match == 6
+def test_rows_a_round_steps_over_do_not_count() -> None:
+    """The head accepts 3 at row 0, so the next round starts at row 4: lookup's good chains at rows 1 and 2 are
+    never drafted, and lookup is kept off (a per-row average would have taken it)."""
+    choice = choose_min_match(chains([3, 0, 0, 0, 0, 0, 0, 0], [0, 3, 3, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0]))
+    assert choice.tokens_per_round[0] == choice.tokens_per_round[1] == pytest.approx(8 / 5)
+    assert choice.min_match == 0
+
+
+def test_a_round_ends_with_its_text() -> None:
+    """Two texts of 3 rows: a round accepting 3 at the first text's row 0 commits its 3 rows, not 4; the next round
+    starts at the second text's first row."""
+    choice = choose_min_match(chains([3, 0, 0, 3, 0, 0], [0] * 6, [0] * 6, [0, 0, 0, 1, 1, 1]))
+    assert choice.tokens_per_round[0] == pytest.approx(6 / 2)
+
+
+def test_a_head_that_lookup_never_beats_keeps_lookup_off() -> None:
+    assert (
+        choose_min_match(chains([3, 0, 0, 0, 3, 0, 0, 0], [1, 0, 0, 0, 2, 0, 0, 0], [1, 0, 0, 0, 4, 0, 0, 0])).min_match
+        == 0
+    )
 
 
 def test_a_shorter_tail_must_beat_a_longer_one_by_more_than_the_tolerance() -> None:
-    """200 rows: from a tail of 2, lookup takes 100 rows and commits 1 more on each (+0.5 a row); from a tail of 1
-    it takes one row more and commits 1 more there (+0.005 a row, 0.27 % of the best): 2 is kept."""
-    head = torch.zeros(200, dtype=torch.long)
-    head[:100] = 1
-    lookup = head.clone()
-    lookup[:100] = 2
-    lookup[100] = 1
-    match = torch.zeros(200, dtype=torch.long)
-    match[:100] = 2
-    match[100] = 1
-    choice = choose_min_match(RowChains(head, lookup, match))
-    assert choice.accepted[1] > choice.accepted[2] > choice.accepted[3]
+    """400 rows, the head accepting nothing: from a tail of 2, lookup takes 100 rounds of 2 accepted tokens; from a
+    tail of 1 one more row takes a round accepting 1 (0.5 % more tokens per round): 2 is kept."""
+    size = 400
+    head, lookup, match = [0] * size, [0] * size, [0] * size
+    for row in range(0, 300, 3):
+        lookup[row], match[row] = 2, 2
+    lookup[300], match[300] = 1, 1
+    choice = choose_min_match(chains(head, lookup, match))
+    assert choice.tokens_per_round[1] > choice.tokens_per_round[2] > choice.tokens_per_round[3]
     assert choice.min_match == 2
 
 

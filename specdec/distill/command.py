@@ -169,7 +169,7 @@ def _choose_lookup(out: Path, held_out: list[Batch]) -> dict:
     save_head(head, out, dataclasses.replace(info, lookup_min_match=choice.min_match))
     summary = json.loads((out / SUMMARY_FILE).read_text())
     summary["lookup_min_match"] = choice.min_match
-    summary["lookup_accepted_per_row"] = {str(size): round(value, 4) for size, value in choice.accepted.items()}
+    summary["lookup_tokens_per_round"] = {str(size): round(value, 4) for size, value in choice.tokens_per_round.items()}
     _write_summary(out, summary)
     return summary
 

@@ -4,7 +4,9 @@ An eagle drafter drafts a round by prompt lookup (:mod:`specdec.lookup`) when th
 ``lookup_min_match`` tokens of it, occurred earlier. Where that pays depends on the head: a strong head out-drafts a
 chance match of three or four tokens, while a weak one (the few minutes' head ``make demo`` trains) loses to a match of
 two (``bench/results/eagle-lookup-demo-head.md``). So distill measures, at every held-out response row, the greedy
-chain each would have had accepted, and keeps the tail length the rows say commits most.
+chain each would have had accepted, walks each held-out text as greedy serving would (a round at a row commits its
+accepted tokens and one more, and the next round starts after them) for every candidate tail, and keeps the tail
+whose walk commits most tokens per round.
 
 At a row the text runs up to some token; the target's greedy continuation is known where the text goes on with the
 target's argmax (every row of a greedy response). A chain's **accepted length** there counts its leading tokens that
@@ -32,24 +34,34 @@ TOLERANCE = 0.01  # a candidate this close to the best (relative) is as good: th
 
 @dataclass(frozen=True)
 class RowChains:
-    """Per held-out response row: the head's accepted length, prompt lookup's, and the tail that lookup matched
-    (0: none)."""
+    """Per held-out response row, in the order of the texts' rows: the head's accepted length, prompt lookup's, the
+    tail that lookup matched (0: none), and which text the row is in (rows of one text follow each other)."""
 
     head: torch.Tensor
     lookup: torch.Tensor
     match: torch.Tensor
+    text: torch.Tensor
 
     @staticmethod
     def cat(parts: Sequence[RowChains]) -> RowChains:
-        return RowChains(*(torch.cat([getattr(part, name) for part in parts]) for name in ("head", "lookup", "match")))
+        """The rows of ``parts``, each part's texts numbered after the previous part's."""
+        if not parts:
+            return RowChains(*(torch.zeros(0, dtype=torch.long) for _ in range(4)))
+        texts, offset = [], 0
+        for part in parts:
+            texts.append(part.text + offset)
+            offset += int(part.text.max()) + 1 if len(part.text) else 0
+        columns = [torch.cat([getattr(part, name) for part in parts]) for name in ("head", "lookup", "match")]
+        return RowChains(*columns, torch.cat(texts))
 
 
 @dataclass(frozen=True)
 class LookupChoice:
-    """The chosen ``min_match`` (0: never look up) and, per candidate, the mean accepted length it gives a row."""
+    """The chosen ``min_match`` (0: never look up) and, per candidate, the tokens a round commits walking the
+    held-out texts with it."""
 
     min_match: int
-    accepted: dict[int, float]
+    tokens_per_round: dict[int, float]
 
 
 def row_chains(head: EagleHead, batch: Batch, depth: int = CHAIN_DEPTH) -> RowChains:
@@ -86,8 +98,9 @@ def row_chains(head: EagleHead, batch: Batch, depth: int = CHAIN_DEPTH) -> RowCh
             copied = range(min(len(chain), length - 1 - position))
             lookup_lengths.append(_leading([chain[k] == text[position + 1 + k] for k in copied], ok, position))
             matches.append(match)
-        parts.append(RowChains(*(torch.tensor(v, dtype=torch.long) for v in (head_lengths, lookup_lengths, matches))))
-    return RowChains.cat(parts) if parts else RowChains(*(torch.zeros(0, dtype=torch.long) for _ in range(3)))
+        columns = (head_lengths, lookup_lengths, matches, [0] * len(positions))  # one text
+        parts.append(RowChains(*(torch.tensor(column, dtype=torch.long) for column in columns)))
+    return RowChains.cat(parts)
 
 
 def _leading(agrees: list[bool], greedy: list[bool], position: int) -> int:
@@ -112,17 +125,32 @@ def _longest_match(index: LookupIndex, depth: int) -> tuple[int, list[int]]:
 
 
 def choose_min_match(chains: RowChains) -> LookupChoice:
-    """The ``min_match`` whose rows commit most: a row with a tail match at least that long takes lookup's chain,
-    every other row the head's. Of the candidates within :data:`TOLERANCE` of the best, the largest (0, never,
-    first): fewer rounds change hands on a difference the rows cannot show, and shorter tails, measured here on
-    greedy rows alone, lost more at temperature 0.7 (``bench/results/eagle-lookup-demo-head.md``: a tail of 1 was
-    level with 2 greedy, 0.10x of target-only behind it sampled)."""
-    accepted = {0: float(chains.head.float().mean()) if len(chains.head) else 0.0}
-    for size in range(LOOKUP_MAX_MATCH, 0, -1):
-        taken = torch.where(chains.match >= size, chains.lookup, chains.head)
-        accepted[size] = float(taken.float().mean()) if len(taken) else 0.0
-    enough = max(accepted.values()) * (1 - TOLERANCE)
-    return LookupChoice(next(size for size, value in accepted.items() if value >= enough), accepted)
+    """The ``min_match`` whose walk of the texts commits most tokens per round: a round at a row with a tail match
+    at least that long takes lookup's chain, every other round the head's. Of the candidates within
+    :data:`TOLERANCE` of the best, the largest (0, never, first): fewer rounds change hands on a difference the rows
+    cannot show, and shorter tails, measured here on greedy rows alone, lost more at temperature 0.7
+    (``bench/results/eagle-lookup-demo-head.md``: a tail of 1 was level with 2 greedy, 0.10x of target-only behind
+    it sampled)."""
+    head, lookup, match = (column.tolist() for column in (chains.head, chains.lookup, chains.match))
+    ends = _text_ends(chains.text.tolist())
+    walked = {}
+    for size in (0, *range(LOOKUP_MAX_MATCH, 0, -1)):
+        tokens = rounds = row = 0
+        while row < len(ends):
+            accepted = lookup[row] if size and match[row] >= size else head[row]
+            step = min(accepted + 1, ends[row] - row)  # a round commits its accepted tokens and one more
+            tokens, rounds, row = tokens + step, rounds + 1, row + step
+        walked[size] = tokens / rounds if rounds else 1.0
+    enough = max(walked.values()) * (1 - TOLERANCE)
+    return LookupChoice(next(size for size, value in walked.items() if value >= enough), walked)
+
+
+def _text_ends(text: list[int]) -> list[int]:
+    """Per row, the index just past the last row of its text (a text's rows follow each other)."""
+    ends = [len(text)] * len(text)
+    for row in range(len(text) - 2, -1, -1):
+        ends[row] = ends[row + 1] if text[row + 1] == text[row] else row + 1
+    return ends
 
 
 def calibrate_lookup(head: EagleHead, batches: Sequence[Batch], depth: int = CHAIN_DEPTH) -> LookupChoice:
