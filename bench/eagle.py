@@ -52,6 +52,7 @@ from typing import Any, TypeVar, cast
 import torch
 import transformers
 
+from bench.arguments import comma_ints
 from bench.colocated import ConfigResult, Generate, compare, engine_generator, hf_generator
 from bench.disaggregated import interleave_categories
 from bench.eagle_agreement import teacher_forced_agreement
@@ -743,7 +744,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-heads", default="", help="comma-separated head directories (budgets section)")
     parser.add_argument(
         "--lookup-min-matches",
-        default=",".join(map(str, LOOKUP_MIN_MATCHES)),
+        type=comma_ints,
+        default=list(LOOKUP_MIN_MATCHES),
         help="lookup section: the tail matches that make a round a lookup chain (0: the head alone)",
     )
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
@@ -764,8 +766,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = heldout_prompts(target, args.num_prompts)
     command = shlex.join(["python", "-m", "bench.eagle", *argv])
     meta = describe(args.target, args.draft_model, prompts, args.max_tokens, command)
-    min_matches = tuple(int(match) for match in args.lookup_min_matches.split(","))
-    settings = Settings(args.max_tokens, args.draft_model, budget_heads, min_matches)
+    settings = Settings(args.max_tokens, args.draft_model, budget_heads, tuple(args.lookup_min_matches))
     stem = "eagle" if not args.sections else "-".join(["eagle", *sections])
     payload = run_sections(target, prompts, sections, settings, meta, args.output_dir / stem)
     print(markdown(payload))
