@@ -55,7 +55,7 @@ from specdec.distill.train import (
     train,
     with_target_argmax,
 )
-from specdec.drafters.eagle_head import EagleHead, HeadInfo, eagle3_layers, load_head, save_head
+from specdec.drafters.eagle_head import EagleHead, HeadInfo, eagle3_layers, load_head, save_head, save_head_config
 from specdec.errors import InvalidArgumentError
 from specdec.models import LoadedModel, load_model, quiet_model_loading
 from specdec.runner import KVRunner
@@ -166,7 +166,7 @@ def _choose_lookup(out: Path, held_out: list[Batch]) -> dict:
     in its config and summary; the summary."""
     head, info = load_head(out)
     choice = calibrate_lookup(head, held_out)
-    save_head(head, out, dataclasses.replace(info, lookup_min_match=choice.min_match))
+    save_head_config(head, out, dataclasses.replace(info, lookup_min_match=choice.min_match))
     summary = json.loads((out / SUMMARY_FILE).read_text())
     summary["lookup_min_match"] = choice.min_match
     summary["lookup_tokens_per_round"] = {str(size): round(value, 4) for size, value in choice.tokens_per_round.items()}

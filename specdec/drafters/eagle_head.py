@@ -314,6 +314,15 @@ def save_head(head: EagleHead, directory: Path, info: HeadInfo) -> None:
     tensors.pop("draft_to_target")
     tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()
     tensors["t2d"] = t2d
+    partial = directory / (WEIGHTS_FILE + ".partial")
+    save_file(tensors, str(partial))
+    partial.rename(directory / WEIGHTS_FILE)  # never a half-written head under the real name
+    save_head_config(head, directory, info)
+
+
+def save_head_config(head: EagleHead, directory: Path, info: HeadInfo) -> None:
+    """Write the ``config.json`` of ``head`` (what :func:`save_head` writes beside the weights): alone, it records
+    a changed ``info`` of a saved head without writing its weights again."""
     options = head.options
     model_type = SPECULATORS_MODEL_TYPE if options is None else FUSED_MODEL_TYPE
     config = {
@@ -338,9 +347,6 @@ def save_head(head: EagleHead, directory: Path, info: HeadInfo) -> None:
     else:
         config.update(asdict(options))
         config["eagle_aux_hidden_state_layer_ids"] = [layer + 1 for layer in head.feature_layers]  # vLLM's count
-    partial = directory / (WEIGHTS_FILE + ".partial")
-    save_file(tensors, str(partial))
-    partial.rename(directory / WEIGHTS_FILE)  # never a half-written head under the real name
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
