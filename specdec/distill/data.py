@@ -35,6 +35,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdec.drafters.base import Proposal
+from specdec.drafters.eagle_head import HEAD_CONTEXT
 from specdec.errors import InvalidArgumentError
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams
@@ -60,18 +61,28 @@ class Conversation:
 
 @dataclass(frozen=True)
 class Example:
-    """``token_ids`` [L] prompt + response; ``features`` [L - 1, hidden] (final norm) and ``fused``
-    [L - 1, layers * hidden] (the fused layers, or None) at positions ``0 .. L - 2``."""
+    """``token_ids`` [L] prompt + response; ``features`` [L - 1 - s, hidden] (final norm) and ``fused``
+    [L - 1 - s, layers * hidden] (the fused layers, or None) at positions ``s .. L - 2``, ``s = features_start``.
+
+    A long prompt keeps only the rows a head is trained on (:func:`feature_window_start`): the last ones."""
 
     id: str
     token_ids: torch.Tensor
     prompt_length: int
     features: torch.Tensor
     fused: torch.Tensor | None = None
+    features_start: int = 0
 
     @property
     def response_length(self) -> int:
         return len(self.token_ids) - self.prompt_length
+
+
+def feature_window_start(length: int, window: int = HEAD_CONTEXT) -> int:
+    """The first position whose feature row an example of ``length`` tokens keeps: a head is trained on its last
+    ``window`` head positions (``L - 1 - window .. L - 2``; :func:`specdec.distill.train.make_batches`), which read the
+    rows from one position before. ``feature_window_start(100) == 0``; ``feature_window_start(2000) == 1358``."""
+    return max(0, length - 2 - window)
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -90,7 +101,8 @@ def generate_examples(
     batch_size: int,
     sampling_for: Callable[[int], SamplingParams],
     seed: int,
-    max_prompt_tokens: int = 512,
+    max_prompt_tokens: int = 4096,
+    prefill_tokens: int = 8192,
     deadline: float | None = None,
     fused_layers: Sequence[int] = (),
 ) -> Iterator[Example]:
@@ -100,23 +112,24 @@ def generate_examples(
     ``sampling_for(index)`` gives the settings of the ``index``-th conversation (e.g. greedy for most, a
     temperature for some, so the head sees the contexts both kinds of request produce); its seed is
     ``seed + index``. At most ``batch_size`` sequences run together; no new one starts after ``deadline``
-    (``time.monotonic()``). Prompts longer than ``max_prompt_tokens`` are skipped. ``fused_layers``: each
-    example also keeps those layers' rows (``Example.fused``).
+    (``time.monotonic()``). Prompts longer than ``max_prompt_tokens`` are skipped. A forward prefills the prompts
+    of the sequences it starts, at most ``prefill_tokens`` of them together (one longer prompt alone): a batch of
+    long prompts at once would hold attention scores of every one's length squared. ``fused_layers``: each example
+    also keeps those layers' rows (``Example.fused``).
     """
     verifier = BatchVerifier(runner)
     layers = (*fused_layers, runner.num_layers)
-    pending = iter(enumerate(prompts))
+    pending = ((index, item) for index, item in enumerate(prompts) if len(item[1]) <= max_prompt_tokens)
+    waiting = next(pending, None)
     active: dict[str, tuple[list[int], list[torch.Tensor], list[int]]] = {}
-    exhausted = False
     while True:
-        while not exhausted and len(active) < batch_size and (deadline is None or time.monotonic() < deadline):
-            item = next(pending, None)
-            if item is None:
-                exhausted = True
+        prefilled = 0
+        while waiting is not None and len(active) < batch_size and (deadline is None or time.monotonic() < deadline):
+            index, (prompt_id, prompt) = waiting
+            if prefilled and prefilled + len(prompt) > prefill_tokens:
                 break
-            index, (prompt_id, prompt) = item
-            if len(prompt) > max_prompt_tokens:
-                continue
+            prefilled += len(prompt)
+            waiting = next(pending, None)
             verifier.open(
                 prompt_id,
                 prompt,
@@ -182,10 +195,13 @@ def teacher_force_examples(
 
 
 def _example(id_: str, tokens: list[int], prompt_length: int, rows: torch.Tensor, hidden_size: int) -> Example:
-    """An example from feature rows [L - 1, (layers + 1) * hidden]: the fused layers' blocks, then the final norm's."""
+    """An example from feature rows [L - 1, (layers + 1) * hidden]: the fused layers' blocks, then the final norm's;
+    only the rows of its training window (:func:`feature_window_start`) are kept."""
+    start = feature_window_start(len(tokens))
+    rows = rows[start:]
     fused = rows[:, :-hidden_size].to(FUSED_DTYPE) if rows.shape[1] > hidden_size else None
     final = rows[:, -hidden_size:].to(FEATURE_DTYPE)
-    return Example(id_, torch.tensor(tokens, dtype=torch.int32), prompt_length, final, fused)
+    return Example(id_, torch.tensor(tokens, dtype=torch.int32), prompt_length, final, fused, start)
 
 
 def read_conversations(path: Path) -> list[Conversation]:
@@ -228,6 +244,7 @@ class ShardWriter:
             "prompt_lengths": [e.prompt_length for e in self._buffer],
             "features": [e.features for e in self._buffer],
             "fused": [e.fused for e in self._buffer],
+            "features_starts": [e.features_start for e in self._buffer],
         }
         final = self.directory / f"shard-{self._next:05d}.pt"
         partial = final.with_suffix(".partial")
@@ -248,6 +265,7 @@ def read_shards(directory: Path, *, fused: bool = True) -> list[Example]:
         shard = torch.load(path, weights_only=True, mmap=True)
         count = len(shard["ids"])
         rows = shard.get("fused") if fused else None  # shards written before fused rows existed have none
+        starts = shard.get("features_starts") or [0] * count  # older shards hold every position's rows
         examples += [
             Example(*fields)
             for fields in zip(
@@ -256,6 +274,7 @@ def read_shards(directory: Path, *, fused: bool = True) -> list[Example]:
                 shard["prompt_lengths"],
                 shard["features"],
                 rows or [None] * count,
+                starts,
                 strict=True,
             )
         ]

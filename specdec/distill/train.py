@@ -120,14 +120,16 @@ def choose_draft_vocab(examples: Sequence[Example], size: int, vocab_size: int, 
 def make_batches(
     examples: Sequence[Example], batch_tokens: int, max_length: int, *, fused: bool = False
 ) -> list[Batch]:
-    """Examples grouped by length into batches of at most ``batch_tokens`` padded rows (each cut to
-    ``max_length`` head positions); ``fused``: the inputs are the examples' fused rows (an EAGLE-3 head)."""
+    """Examples grouped by length into batches of at most ``batch_tokens`` padded rows, each example's last
+    ``max_length`` head positions (a long prompt's start is left out, as serving's window leaves it out:
+    :data:`~specdec.drafters.eagle_head.HEAD_CONTEXT`); ``fused``: the inputs are the examples' fused rows (an
+    EAGLE-3 head)."""
     if fused and any(e.fused is None for e in examples):
         raise InvalidArgumentError("data", "a fused head needs examples with fused rows (regenerate the data)")
-    rows = sorted((e for e in examples if len(e.token_ids) >= 3), key=lambda e: len(e.token_ids))
+    rows = sorted((e for e in examples if _window(e, max_length)[1] >= 1), key=lambda e: _window(e, max_length)[1])
     batches, group = [], []
     for example in rows:
-        length = min(len(example.token_ids) - 2, max_length)
+        length = _window(example, max_length)[1]
         if group and (len(group) + 1) * length > batch_tokens:
             batches.append(_collate(group, max_length, fused))
             group = []
@@ -137,8 +139,15 @@ def make_batches(
     return batches
 
 
+def _window(example: Example, max_length: int) -> tuple[int, int]:
+    """The first head position and the number of head positions an example trains: the last ``max_length`` of
+    ``1 .. L - 2`` whose input rows (one position before) it holds."""
+    size = min(len(example.token_ids) - 2 - example.features_start, max_length)
+    return len(example.token_ids) - 1 - size, size
+
+
 def _collate(examples: list[Example], max_length: int, fused: bool) -> Batch:
-    length = min(max(len(e.token_ids) - 2 for e in examples), max_length)
+    length = max(_window(e, max_length)[1] for e in examples)
     hidden = examples[0].features.shape[-1]
     width = examples[0].fused.shape[-1] if fused else hidden
     count = len(examples)
@@ -147,14 +156,15 @@ def _collate(examples: list[Example], max_length: int, fused: bool) -> Batch:
     inputs = torch.zeros(count, length, width, dtype=inputs_dtype)
     targets = torch.zeros(count, length, hidden, dtype=torch.float16)
     loss_mask = torch.zeros(count, length, dtype=torch.bool)
+    positions = torch.arange(1, length + 1).repeat(count, 1)
     for row, example in enumerate(examples):
-        size = min(len(example.token_ids) - 2, length)  # head positions 1 .. size
-        tokens[row, :size] = example.token_ids[1 : size + 1].long()
-        inputs[row, :size] = (example.fused if fused else example.features)[:size]
-        targets[row, :size] = example.features[1 : size + 1]
-        head_positions = torch.arange(1, size + 1)
-        loss_mask[row, :size] = head_positions + 1 >= example.prompt_length  # predicts t_(i+1) of the response
-    positions = torch.arange(1, length + 1).expand(count, length)
+        first, size = _window(example, max_length)  # head positions first .. first + size - 1
+        row_of = first - 1 - example.features_start  # the stored row of F_(first - 1)
+        tokens[row, :size] = example.token_ids[first : first + size].long()
+        inputs[row, :size] = (example.fused if fused else example.features)[row_of : row_of + size]
+        targets[row, :size] = example.features[row_of + 1 : row_of + 1 + size]
+        positions[row] += first - 1
+        loss_mask[row, :size] = positions[row, :size] + 1 >= example.prompt_length  # predicts t_(i+1) of the response
     return Batch(tokens, inputs, targets, positions, loss_mask)
 
 
