@@ -60,7 +60,7 @@ from bench.load.report import cpu_model
 from specdec.cache import default_head_dir
 from specdec.distill.command import SUMMARY_FILE
 from specdec.distill.data import encode_chat
-from specdec.distill.prompts import load_prompt_set
+from specdec.distill.prompts import LONG_CONTEXT, load_prompt_set
 from specdec.drafters import DraftConfig, Drafter, EagleDrafter, Proposal, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
 from specdec.errors import InvalidArgumentError
@@ -524,10 +524,12 @@ def run_sections(
 
 
 def heldout_prompts(target: LoadedModel, count: int | None) -> list[Prompt]:
-    """The first ``count`` held-out conversations, categories in turn, through the chat template."""
+    """The first ``count`` held-out conversations, categories in turn, through the chat template; long prompts are
+    measured apart (:mod:`bench.eagle_context`), so results stay comparable with those before they existed."""
     if target.tokenizer is None:
         raise InvalidArgumentError("target", f"{target.name!r} has no tokenizer to apply the chat template")
-    rows = interleave_categories([asdict(record) for record in load_prompt_set("heldout")], count)
+    records = [asdict(record) for record in load_prompt_set("heldout") if record.category != LONG_CONTEXT]
+    rows = interleave_categories(records, count)
     return [Prompt(row["id"], row["category"], encode_chat(target.tokenizer, row["messages"])) for _, row in rows]
 
 

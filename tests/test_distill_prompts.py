@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from specdec.distill import make_prompts
-from specdec.distill.prompts import PROMPT_SET_PATH, PromptRecord, load_prompt_set
+from specdec.distill.prompts import LONG_CONTEXT, PROMPT_SET_PATH, PromptRecord, load_prompt_set
 from specdec.errors import InvalidArgumentError
 
 
@@ -74,3 +74,15 @@ def test_roles_alternate_and_end_with_user(records: list[PromptRecord]) -> None:
 
 def test_file_matches_generator() -> None:
     assert PROMPT_SET_PATH.read_text(encoding="utf-8") == "".join(make_prompts.render_lines())
+
+
+def test_long_context_rows_are_documents_of_hundreds_of_words_and_the_rest_are_short(
+    records: list[PromptRecord],
+) -> None:
+    low, high = make_prompts.LONG_CONTEXT_WORDS
+    for r in records:
+        words = len(_user_text(r).split())
+        assert (low <= words <= high) if r.category == LONG_CONTEXT else words <= make_prompts.MAX_USER_WORDS, r.id
+    long_rows = [r for r in records if r.category == LONG_CONTEXT]
+    assert any(len(r.messages) >= 3 for r in long_rows)  # conversations that go on after a document
+    assert any("```" in r.messages[0]["content"] for r in long_rows)  # source files as well as reports

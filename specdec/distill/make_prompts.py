@@ -13,15 +13,21 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from specdec.distill.prompts import LONG_CONTEXT
+
 SEED = 20250611
 PER_CATEGORY = 550
 HELDOUT_PER_CATEGORY = 30
-CATEGORIES = ("chat", "code", "maths", "lists", "rewrite", "summarise", "qa", "multi-turn")
+CATEGORIES = ("chat", "code", "maths", "lists", "rewrite", "summarise", "qa", "multi-turn", LONG_CONTEXT)
+# Long prompts cost a data run far more than the others (a prefill of 650-2 000 tokens each), so fewer of them.
+PER_CATEGORY_OVERRIDE = {LONG_CONTEXT: 430}
 OUTPUT_PATH = Path(__file__).with_name("prompts.jsonl")
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench" / "prompts"
 BENCH_FILES = ("load.jsonl", "colocated.jsonl")
-# The model is small: prompts past this many words (summarise passages are the longest) are redrawn.
+# The model is small: prompts past this many words (summarise passages are the longest) are redrawn; a long-context
+# prompt is redrawn outside its own range instead.
 MAX_USER_WORDS = 230
+LONG_CONTEXT_WORDS = (300, 1800)  # source files run ~2.3 tokens a word, prose ~1.3
 
 Message = dict[str, str]
 
@@ -1621,6 +1627,70 @@ def _multi_turn(rng: random.Random) -> list[Message]:
     return [{"role": roles[i % 2], "content": _fill(_pick(turn, rng), slots)} for i, turn in enumerate(scenario)]
 
 
+# Long contexts: a document of many parts (a report of passages, a source file of snippets) with a task about one
+# part or the whole, or a conversation that goes on after such a document. Serving meets prompts of thousands of
+# tokens (documents, logs, long chats); a head trained on short prompts alone drafts badly at those positions.
+LONG_REPORT_TITLES = ["Team notes", "Field report", "Reading notes", "Briefing pack", "Study guide", "Weekly digest"]
+LONG_REPORT_TASKS = [
+    "Summarise part {part} in two sentences.",
+    "What is part {part} about? Answer briefly.",
+    "Give each part a short title.",
+    "List the three most important points of the whole document.",
+    "Rewrite part {part} for a ten-year-old.",
+    "Which part mentions the most people, and who are they?",
+    "Write a one-paragraph summary of the document.",
+    "Turn part {part} into a bulleted list.",
+]
+LONG_CODE_TASKS = [
+    "Explain what the code in part {part} does.",
+    "Write a short docstring or comment for each part.",
+    "Which parts are not Python? Say what language each of them is.",
+    "Find the bugs in these files and show the fixes.",
+    "Write two unit tests for the code in part {part}.",
+    "Rewrite part {part} so it is easier to read.",
+    "Give a one-line summary of every part.",
+]
+_LONG_CODE_POOLS = {
+    "py_snippet": "python",
+    "py_buggy": "python",
+    "js_snippet": "javascript",
+    "sql_snippet": "sql",
+    "bash_snippet": "bash",
+}
+
+
+def _long_report(rng: random.Random) -> tuple[str, int]:
+    parts = [_passage(rng, _Slots(rng)) for _ in range(rng.randint(6, 14))]
+    body = "\n\n".join(f"Part {i}.\n{passage}" for i, passage in enumerate(parts, 1))
+    return f"{rng.choice(LONG_REPORT_TITLES)}\n\n{body}", len(parts)
+
+
+def _long_code(rng: random.Random) -> tuple[str, int]:
+    pools = sorted(_LONG_CODE_POOLS)
+    parts = []
+    for _ in range(rng.randint(20, 40)):
+        pool = rng.choice(pools)
+        parts.append(f"```{_LONG_CODE_POOLS[pool]}\n{rng.choice(POOLS[pool])}\n```")
+    return "\n\n".join(f"Part {i}:\n{part}" for i, part in enumerate(parts, 1)), len(parts)
+
+
+def _long_context(rng: random.Random) -> list[Message]:
+    make, tasks = rng.choice(
+        [(_long_report, LONG_REPORT_TASKS), (_long_report, LONG_REPORT_TASKS), (_long_code, LONG_CODE_TASKS)]
+    )
+    document, parts = make(rng)
+    task = rng.choice(tasks).format(part=rng.randint(1, parts))
+    if rng.random() < 0.7:
+        return _user(rng.choice(["{document}\n\n{task}", "{task}\n\n{document}"]).format(document=document, task=task))
+    # A conversation that goes on after the document: turns of other kinds, then a question of its own.
+    messages = [
+        {"role": "user", "content": f"{document}\n\nPlease read this; I will ask about it later."},
+        {"role": "assistant", "content": rng.choice(["Done. What would you like to know?", "I have read it."])},
+    ]
+    last = rng.choice([_chat, _qa, _lists, _multi_turn, _maths])(rng)
+    return [*messages, *last]
+
+
 GENERATORS: dict[str, Callable[[random.Random], list[Message]]] = {
     "chat": _chat,
     "code": _code,
@@ -1630,6 +1700,7 @@ GENERATORS: dict[str, Callable[[random.Random], list[Message]]] = {
     "summarise": _summarise,
     "qa": _qa,
     "multi-turn": _multi_turn,
+    LONG_CONTEXT: _long_context,
 }
 
 
@@ -1672,13 +1743,15 @@ def generate_rows(bench_prompts: Sequence[str] | None = None) -> list[dict[str, 
         rng = random.Random(f"{SEED}:{category}")
         chosen: list[list[Message]] = []
         attempts = 0
-        while len(chosen) < PER_CATEGORY:
+        count = PER_CATEGORY_OVERRIDE.get(category, PER_CATEGORY)
+        words = LONG_CONTEXT_WORDS if category == LONG_CONTEXT else (0, MAX_USER_WORDS)
+        while len(chosen) < count:
             attempts += 1
-            if attempts > 200 * PER_CATEGORY:
+            if attempts > 200 * count:
                 raise RuntimeError(f"{category}: only {len(chosen)} distinct prompts after {attempts} draws")
             messages = GENERATORS[category](rng)
             key = normalise(user_text(messages))
-            if key in seen or len(key.split()) > MAX_USER_WORDS:
+            if key in seen or not words[0] <= len(key.split()) <= words[1]:
                 continue
             texts = [m["content"] for m in messages]
             if key in bench_texts or any(normalise(t) in bench_texts for t in texts):
@@ -1687,7 +1760,7 @@ def generate_rows(bench_prompts: Sequence[str] | None = None) -> list[dict[str, 
                 continue
             seen.add(key)
             chosen.append(messages)
-        heldout = set(random.Random(f"{SEED}:heldout:{category}").sample(range(PER_CATEGORY), HELDOUT_PER_CATEGORY))
+        heldout = set(random.Random(f"{SEED}:heldout:{category}").sample(range(count), HELDOUT_PER_CATEGORY))
         for i, messages in enumerate(chosen):
             rows.append(
                 {

@@ -1,7 +1,10 @@
 """The prompt set for self-distilling an EAGLE draft head from the target model (SmolLM2-135M-Instruct).
 
-``prompts.jsonl`` holds about 4400 chat conversations written for this project, in eight roughly balanced categories
-(chat, code, maths, lists, rewrite, summarise, qa, multi-turn). Each row's last message is a user turn: the target model
+``prompts.jsonl`` holds about 4800 chat conversations written for this project, 550 in each of eight categories (chat,
+code, maths, lists, rewrite, summarise, qa, multi-turn) and 430 ``long-context`` ones: a document of many parts (a
+report, source files) of 650-2 000 tokens with a task about it, or a conversation that goes on after one, so a head
+also learns the target's features far into a text (a head trained on short prompts alone agreed with the target
+about half as often after a long document). Each row's last message is a user turn: the target model
 answers it, and the draft head is trained on those answers. A ``heldout`` split of 30 rows per category measures the
 trained head's acceptance rate on prompts it was not trained on; no held-out user text equals a training one, and no
 row equals or reuses a sentence of the benchmark prompts in ``bench/prompts/``.
@@ -17,6 +20,7 @@ from specdec.errors import InvalidArgumentError
 
 PROMPT_SET_PATH = Path(__file__).with_name("prompts.jsonl")
 SPLITS = ("train", "heldout")
+LONG_CONTEXT = "long-context"  # the category of long prompts (benchmarks of short prompts leave it out)
 
 
 @dataclass(frozen=True)
