@@ -295,6 +295,23 @@ def test_distill_refuses_fewer_than_one_response_per_prompt(
     assert error_line(stderr) == f"{ERROR_PREFIX}responses_per_prompt: must be >= 1, got 0"
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--categories", "chat,poems"], "categories: unknown poems; the prompt set has chat, code, "),
+        (["--categories", "chat", "--data", "mine.jsonl"], "categories: chooses from the built-in prompt set; --data"),
+    ],
+)
+def test_distill_refuses_categories_the_prompt_set_lacks_or_beside_own_data(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str], tiny_dir: Path, tmp_path: Path
+) -> None:
+    status, _, stderr = run_command(
+        capsys, "distill", "--target", str(tiny_dir), "--draft-vocab", "8", "--out", str(tmp_path), *extra
+    )
+    assert status == 2
+    assert error_line(stderr).startswith(f"{ERROR_PREFIX}{message}")
+
+
 def test_distill_samples_every_response_past_a_prompts_first() -> None:
     first = [resample_id("chat-0001", 0), resample_id("chat-0002", 0)]
     further = [resample_id("chat-0001", 1), resample_id("chat-0001", 2)]

@@ -16,7 +16,15 @@ def register_distill(subparsers: argparse._SubParsersAction) -> Callable[[argpar
     parser.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, local directory or hub id")
     parser.add_argument("--out", type=Path, help="head directory (default: the cached head for --target)")
     parser.add_argument("--data", type=Path, help="your own conversations (JSONL, last message the assistant's)")
-    parser.add_argument("--data-minutes", type=float, default=30.0, help="time budget of data generation")
+    parser.add_argument(
+        "--categories",
+        default="",
+        help="comma-separated categories of the built-in prompt set to answer (default: all; data cached before is "
+        "trained on whatever its category)",
+    )
+    parser.add_argument(
+        "--data-minutes", type=float, default=30.0, help="time budget of training-data generation (after the held-out)"
+    )
     parser.add_argument("--max-tokens", type=int, default=160, help="longest generated response")
     parser.add_argument(  # the shipped prompts run out at ~370 k response tokens; more samples add contexts
         "--responses-per-prompt",

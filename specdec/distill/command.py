@@ -78,6 +78,9 @@ def run_distill(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("layers", f"must be >= 1, got {args.layers}")
     if args.responses_per_prompt < 1:
         raise InvalidArgumentError("responses_per_prompt", f"must be >= 1, got {args.responses_per_prompt}")
+    if args.categories and args.data is not None:
+        raise InvalidArgumentError("categories", "chooses from the built-in prompt set; --data gives its own")
+    _categories(args.categories)  # a misspelt category is refused before any data is written
     out = (args.out or default_head_dir(args.target)).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     data_dir = distill_data_dir(args.target) if args.data is None else out / "data"
@@ -195,7 +198,6 @@ def collect_data(
         model = model_in_dtype(target.model, dtype)
         return runner if model is target.model else KVRunner(model)
 
-    deadline = time.monotonic() + args.data_minutes * 60
     if args.data is not None:
         conversations = read_conversations(args.data)
         random.Random(args.seed).shuffle(conversations)
@@ -210,8 +212,10 @@ def collect_data(
         _fill(data_dir / "heldout", splits["heldout"], lambda t: teacher_force(t, runner))
         _fill(data_dir / "train", splits["train"], lambda t: teacher_force(t, train_runner()))
         return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
-    held = [Conversation(r.id, r.messages) for r in load_prompt_set("heldout")[: args.held_out_prompts]]
-    train_rows = load_prompt_set("train")
+    chosen = _categories(args.categories)
+    held = [Conversation(r.id, r.messages) for r in load_prompt_set("heldout") if r.category in chosen]
+    held = held[: args.held_out_prompts]
+    train_rows = [r for r in load_prompt_set("train") if r.category in chosen]
     random.Random(args.seed).shuffle(train_rows)  # a time-bounded run still sees every category
     train_conversations = [
         Conversation(resample_id(r.id, sample), r.messages)
@@ -219,8 +223,10 @@ def collect_data(
         for r in train_rows
     ]
 
-    def generate(todo: list[Conversation], generator: KVRunner, until: float | None) -> Iterator[Example]:
+    def generate(todo: list[Conversation], generator: KVRunner, minutes: float | None) -> Iterator[Example]:
         prompts = [(c.id, encode_chat(target.tokenizer, c.messages)) for c in todo]
+        # the budget is the generation's own: the held-out data, the bfloat16 copy and the templating come first
+        until = None if minutes is None else time.monotonic() + minutes * 60
         return generate_examples(
             generator,
             target.eos_token_ids,
@@ -234,8 +240,19 @@ def collect_data(
         )
 
     _fill(data_dir / "heldout", held, lambda t: generate(t, runner, None))
-    _fill(data_dir / "train", train_conversations, lambda t: generate(t, train_runner(), deadline))
+    _fill(data_dir / "train", train_conversations, lambda t: generate(t, train_runner(), args.data_minutes))
     return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
+
+
+def _categories(text: str) -> set[str]:
+    """The prompt-set categories ``--categories`` names (empty: all of them)."""
+    known = {record.category for record in load_prompt_set()}
+    named = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = sorted(named - known)
+    if unknown:
+        offered = ", ".join(sorted(known))
+        raise InvalidArgumentError("categories", f"unknown {', '.join(unknown)}; the prompt set has {offered}")
+    return named or known
 
 
 def _fill(
