@@ -12,8 +12,17 @@ comparing the window (``--contexts``, 0 = the whole text) in one run:
    the training prompts), chat-templated, co-located at batch 1, greedy, a chain of ``--num-draft-tokens``: tokens
    per round, acceptance and tokens/s per context, beside target-only (:func:`bench.eagle.measure`, interleaved
    prompt by prompt), and whether the outputs equal target-only's.
+3. **Agreement** (``--agreement-heads``, one or more trained heads): each head's teacher-forced agreement with the
+   target's greedy answers as served (:func:`bench.eagle_agreement.teacher_forced_agreement`, the window at its
+   default, no prompt lookup) on short held-out prompts, on the same conversations after a long document (a
+   ``long-context`` prompt of ``bench/prompts/load.jsonl`` and a one-line reply before them), on those long prompts
+   themselves, and on the distillation set's held-out ``long-context`` prompts: whether a head drafts as well far into
+   a text as near its start.
+
+Parts: ``--sections`` (default ``first,long``; ``agreement`` needs ``--agreement-heads``).
 
     python -m bench.eagle_context --draft-model DIR --output-dir bench/results
+    python -m bench.eagle_context --sections agreement --agreement-heads DIR_A,DIR_B --num-prompts 8
 """
 
 from __future__ import annotations
@@ -23,15 +32,19 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.arguments import comma_ints
-from bench.eagle import GREEDY, Prompt, head_directory, measure, recording_engine
+from bench.arguments import comma_ints, comma_names
+from bench.disaggregated import interleave_categories
+from bench.eagle import GREEDY, Prompt, head_directory, heldout_prompts, measure, recording_engine
+from bench.eagle_agreement import teacher_forced_agreement
 from bench.load.report import elide_option, run_metadata, write_report
 from specdec.distill.data import encode_chat
+from specdec.distill.prompts import LONG_CONTEXT, load_prompt_set
 from specdec.drafters import DraftConfig, EagleDrafter
 from specdec.drafters.eagle_head import HEAD_CONTEXT, EagleHead, eagle3_layers, load_head
 from specdec.engine import GenerationRequest
@@ -76,13 +89,63 @@ def first_draft_rows(head: EagleHead, lengths: list[int], contexts: list[int], r
     ]
 
 
-def long_prompts(tokenizer: Any, count: int) -> list[Prompt]:
+def long_prompt_texts(count: int) -> list[dict[str, str]]:
+    """The first ``count`` ``long-context`` rows of ``bench/prompts/load.jsonl``."""
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
-    chosen = [row for row in rows if row["category"] == "long-context"][:count]
+    return [row for row in rows if row["category"] == LONG_CONTEXT][:count]
+
+
+def long_prompts(tokenizer: Any, count: int) -> list[Prompt]:
     return [
         Prompt(row["id"], row["category"], encode_chat(tokenizer, [{"role": "user", "content": row["prompt"]}]))
-        for row in chosen
+        for row in long_prompt_texts(count)
     ]
+
+
+AFTER_DOCUMENT = "Thanks, I have read it."  # the reply between the document and the conversation that follows
+
+
+def agreement_sets(target: Any, count: int) -> dict[str, list[list[int]]]:
+    """Prompt token ids per set of the agreement part (see the module docstring)."""
+    tokenizer = target.tokenizer
+    held = [asdict(record) for record in load_prompt_set("heldout") if record.category != LONG_CONTEXT]
+    conversations = [row["messages"] for _, row in interleave_categories(held, count)]
+    documents = [row["prompt"] for row in long_prompt_texts(count)]
+    after = [
+        encode_chat(tokenizer, [{"role": "user", "content": document}, {"role": "assistant", "content": AFTER_DOCUMENT},
+                                *messages])
+        for document, messages in zip(documents, conversations, strict=False)
+    ]  # fmt: skip
+    ours = [record.messages for record in load_prompt_set("heldout") if record.category == LONG_CONTEXT][:count]
+    return {
+        "held-out, short": [prompt.token_ids for prompt in heldout_prompts(target, count)],
+        "held-out after a long document": after,
+        "long-context (load.jsonl)": [prompt.token_ids for prompt in long_prompts(tokenizer, count)],
+        "long-context (distill held-out)": [encode_chat(tokenizer, messages) for messages in ours],
+    }
+
+
+def agreement_rows(
+    target: Any, heads: list[Path], sets: dict[str, list[list[int]]], max_tokens: int
+) -> list[dict[str, Any]]:
+    """Per head and prompt set (:func:`agreement_sets`): teacher-forced agreement as served, and the mean prompt
+    length."""
+    rows = []
+    for directory in heads:
+        head, _ = load_head(directory, hidden_size=target.model.config.hidden_size, vocab_size=target.vocab_size)
+        drafter = EagleDrafter(head, DraftConfig(num_draft_tokens=1), lookup_min_match=0)
+        for name, prompts in sets.items():
+            tally = teacher_forced_agreement(target, drafter, prompts, max_tokens).row()
+            rows.append(
+                {
+                    "head": str(directory),
+                    "set": name,
+                    "prompts": len(prompts),
+                    "mean_prompt_tokens": statistics.mean(len(prompt) for prompt in prompts),
+                    **tally,
+                }
+            )
+    return rows
 
 
 def long_prompt_rows(
@@ -132,12 +195,15 @@ def markdown(document: dict[str, Any]) -> str:
         "",
         f"Head: `{document['head']}`; {document['threads']} torch thread(s), float32.",
         "",
-        "## First draft on a prompt of N tokens (median ms)",
-        "",
-        "| prompt tokens | head attends over | add_features | first propose | total |",
-        "|---|---|---|---|---|",
     ]
-    for row in document["first_draft"]:
+    if document.get("first_draft"):
+        lines += [
+            "## First draft on a prompt of N tokens (median ms)",
+            "",
+            "| prompt tokens | head attends over | add_features | first propose | total |",
+            "|---|---|---|---|---|",
+        ]
+    for row in document.get("first_draft", []):
         lines.append(
             f"| {row['prompt_tokens']} | {row['context']} | {_f(row['add_features_ms'], '.1f')} | "
             f"{_f(row['first_propose_ms'], '.1f')} | {_f(row['total_ms'], '.1f')} |"
@@ -161,6 +227,22 @@ def markdown(document: dict[str, Any]) -> str:
                 f"{_f(row['vs_target_only'])} | {_f(row['tokens_per_round'])} | {_f(row['acceptance_rate'], '.3f')} | "
                 f"{_f(acc1, '.3f')} | {_f(row['draft_ms_per_token'])} | {row['same_as_target_only']}/{count} |"
             )
+    if document.get("agreement"):
+        lines += [
+            "",
+            f"## Teacher-forced agreement as served (greedy answers of at most {document['max_tokens']} tokens; "
+            f"window {HEAD_CONTEXT}, no prompt lookup)",
+            "",
+            "| head | prompts | count | mean prompt tokens | positions | agreement | after an agreed position "
+            "| outside the draft vocabulary |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in document["agreement"]:
+            lines.append(
+                f"| `{row['head']}` | {row['set']} | {row['prompts']} | {row['mean_prompt_tokens']:.0f} | "
+                f"{row['positions']} | {_f(row['agreement'], '.3f')} | {_f(row['after_agreed'], '.3f')} | "
+                f"{_f(row['outside_draft_vocab'], '.3f')} |"
+            )
     if document.get("note"):
         lines += ["", document["note"]]
     return "\n".join(lines) + "\n"
@@ -180,7 +262,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
     parser.add_argument("--name", default="eagle-context")
     parser.add_argument("--note", default="")
+    parser.add_argument("--sections", type=comma_names, default=["first", "long"], help="of first,long,agreement")
+    parser.add_argument("--agreement-heads", type=comma_names, default=[], help="head directories (agreement)")
     args = parser.parse_args(argv)
+    if "agreement" in args.sections and not args.agreement_heads:
+        parser.error("--sections agreement needs --agreement-heads")
     recorded = argv if argv is not None else sys.argv[1:]
     torch.set_num_threads(args.threads)
     contexts = [context or UNBOUNDED for context in args.contexts]
@@ -201,9 +287,10 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "note": args.note,
     }
-    document["first_draft"] = first_draft_rows(head, args.lengths, contexts, args.repeats)
-    write_report(args.output_dir, args.name, document, markdown(document))
-    if trained and args.num_prompts:
+    if "first" in args.sections:
+        document["first_draft"] = first_draft_rows(head, args.lengths, contexts, args.repeats)
+        write_report(args.output_dir, args.name, document, markdown(document))
+    if "long" in args.sections and trained and args.num_prompts:
         prompts = long_prompts(target.tokenizer, args.num_prompts)
         lengths = [len(prompt.token_ids) for prompt in prompts]
         document.update(
@@ -215,6 +302,12 @@ def main(argv: list[str] | None = None) -> None:
         document["long_prompts"] = long_prompt_rows(
             target, head, contexts, prompts, args.num_draft_tokens, args.max_tokens
         )
+        write_report(args.output_dir, args.name, document, markdown(document))
+    if "agreement" in args.sections:
+        heads = [Path(head).expanduser() for head in args.agreement_heads]
+        document["max_tokens"] = args.max_tokens
+        sets = agreement_sets(target, args.num_prompts)
+        document["agreement"] = agreement_rows(target, heads, sets, args.max_tokens)
         write_report(args.output_dir, args.name, document, markdown(document))
 
 

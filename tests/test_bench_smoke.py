@@ -335,6 +335,39 @@ def test_eagle_context_bench_times_first_drafts_and_serves_long_prompts_exactly(
     assert "| 40 | last 4 |" in report and f"| last 4 | {rows[0]['tokens']} |" in report
 
 
+def test_eagle_context_agreement_part_tallies_every_answer_position_per_head_and_set(tmp_path: Path) -> None:
+    """The agreement part of ``bench.eagle_context``: one row per (head, prompt set), every answer position after the
+    first counted, and the report's table."""
+    import torch
+
+    from bench.eagle_context import agreement_rows, markdown
+    from specdec.drafters.eagle_head import EagleHead, HeadInfo, save_head
+    from tests.tiny_models import tiny_llama
+
+    target = tiny_llama(seed=3, vocab_size=16, num_layers=2, max_positions=1024)
+    heads = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        head = EagleHead.from_target(target.model, torch.arange(16), feature_layers=(0, 1))
+        save_head(head, tmp_path / f"head{seed}", HeadInfo(target.name, 4))
+        heads.append(tmp_path / f"head{seed}")
+    generator = torch.Generator().manual_seed(0)
+    sets = {
+        "short": [torch.randint(0, 15, (9,), generator=generator).tolist() for _ in range(2)],
+        "long": [torch.randint(0, 15, (700,), generator=generator).tolist()],
+    }
+    rows = agreement_rows(target, heads, sets, max_tokens=6)
+    assert [(row["head"], row["set"]) for row in rows] == [(str(h), name) for h in heads for name in ("short", "long")]
+    for row in rows:
+        answers = len(sets[row["set"]])
+        assert answers <= row["positions"] <= 5 * answers  # up to 6 tokens each, the first one drafted from no row
+        assert 0.0 <= row["agreement"] <= 1.0
+    assert rows[1]["mean_prompt_tokens"] == 700
+    meta = {"date": "now", "command": ["python", "-m", "bench.eagle_context"]}
+    report = markdown({"meta": meta, "head": "tiny", "threads": 1, "agreement": rows, "max_tokens": 6})
+    assert f"| `{heads[1]}` | long | 1 | 700 |" in report and "First draft" not in report
+
+
 def test_distill_data_bench_times_both_dtypes_on_the_same_prompts_and_training_in_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
