@@ -193,11 +193,12 @@ def markdown(document: dict[str, Any]) -> str:
         "",
         f"{meta['date']} · `{' '.join(meta['command'])}`",
         "",
-        f"Head: `{document['head']}`; {document['threads']} torch thread(s), float32.",
-        "",
+        f"{document['threads']} torch thread(s), float32."
+        + (f" Head: `{document['head']}`." if document.get("first_draft") or document.get("long_prompts") else ""),
     ]
     if document.get("first_draft"):
         lines += [
+            "",
             "## First draft on a prompt of N tokens (median ms)",
             "",
             "| prompt tokens | head attends over | add_features | first propose | total |",
