@@ -5,9 +5,10 @@ code, maths, lists, rewrite, summarise, qa, multi-turn) and 430 ``long-context``
 report, source files) of 650-2 000 tokens with a task about it, or a conversation that goes on after one, so a head
 also learns the target's features far into a text (a head trained on short prompts alone agreed with the target on
 0.52 of short held-out answers, 0.32 when a long document came first; ``bench/results/eagle-long-context.md``). Each
-row's last message is a user turn: the target model answers it, and the draft head is trained on those answers. A ``heldout`` split of 30 rows per category measures the
-trained head's acceptance rate on prompts it was not trained on; no held-out user text equals a training one, and no
-row equals or reuses a sentence of the benchmark prompts in ``bench/prompts/``.
+row's last message is a user turn: the target model answers it, and the draft head is trained on those answers. A
+``heldout`` split of 30 rows per category measures the trained head's acceptance rate on prompts it was not trained
+on; no held-out user text equals a training one, and no row equals or reuses a sentence of the benchmark prompts in
+``bench/prompts/``.
 
 The file is generated, never edited by hand: ``python -m specdec.distill.make_prompts`` rewrites it byte-identically.
 """
