@@ -1,9 +1,10 @@
 """Self-distillation data: the target's own responses and its features, written to shards as they finish.
 
 Each conversation becomes one :class:`Example`: the token ids of prompt + response, the prompt length, and the
-target's feature rows (:meth:`~specdec.runner.KVRunner.forward_features`) of every position but the last: the
-final norm's output (what an EAGLE-1 head reads and every head is trained to predict) and, when asked, the
-fused low / middle / high layer rows an EAGLE-3 head reads instead. The features of a position are the target's
+target's feature rows (:meth:`~specdec.runner.KVRunner.forward_features`) of every position but the last (of a long
+prompt, only those its training window reads: :func:`feature_window_start`): the final norm's output (what an
+EAGLE-1 head reads and every head is trained to predict) and, when asked, the fused low / middle / high layer rows
+an EAGLE-3 head reads instead. The features of a position are the target's
 state after reading it; a drafter head trained on them learns to continue the target from its own state (EAGLE).
 
 Two sources:
