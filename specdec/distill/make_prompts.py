@@ -1675,12 +1675,13 @@ def _long_code(rng: random.Random) -> tuple[str, int]:
 
 
 def _long_context(rng: random.Random) -> list[Message]:
+    # two reports for every source file: prose is what most long prompts (documents, notes, mail) hold
     make, tasks = rng.choice(
         [(_long_report, LONG_REPORT_TASKS), (_long_report, LONG_REPORT_TASKS), (_long_code, LONG_CODE_TASKS)]
     )
     document, parts = make(rng)
-    task = rng.choice(tasks).format(part=rng.randint(1, parts))
     if rng.random() < 0.7:
+        task = rng.choice(tasks).format(part=rng.randint(1, parts))
         return _user(rng.choice(["{document}\n\n{task}", "{task}\n\n{document}"]).format(document=document, task=task))
     # A conversation that goes on after the document: turns of other kinds, then a question of its own.
     messages = [
