@@ -24,7 +24,8 @@ from pathlib import Path
 from bench.colocated import PROMPTS, load_prompts
 from specdec.cache import default_head_dir
 from specdec.client import Client, GenerateResult
-from specdec.distill.prompts import LONG_CONTEXT, load_prompt_set
+from specdec.distill.prompts import CATEGORIES as PROMPT_SET_CATEGORIES
+from specdec.distill.prompts import LONG_CONTEXT
 from specdec.drafters.eagle_head import CONFIG_FILE, load_head
 from specdec.errors import SpecdecError
 
@@ -37,7 +38,7 @@ FULL_HEAD_COMMAND = f"specdec distill --target {TARGET} --responses-per-prompt 3
 # the defaults (1e-3, 3 unrolled steps: ~150 steps); bench/results/eagle-demo-head.md.
 # The demo's prompts are short: its few minutes of data leave the long-context prompts (a prefill of 650-2 000
 # tokens each) to the full head.
-SHORT_CATEGORIES = ",".join(sorted({r.category for r in load_prompt_set()} - {LONG_CONTEXT}))
+SHORT_CATEGORIES = ",".join(category for category in PROMPT_SET_CATEGORIES if category != LONG_CONTEXT)
 DEMO_HEAD_ARGS = ["--target", TARGET, "--data-minutes", "2.5", "--minutes", "2.5", "--held-out-prompts", "16",
                   "--learning-rate", "3e-3", "--unroll-steps", "1", "--categories", SHORT_CATEGORIES]  # fmt: skip
 UP_ARGS = [

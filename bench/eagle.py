@@ -523,14 +523,19 @@ def run_sections(
     return payload
 
 
+def heldout_conversations(count: int | None) -> list[dict]:
+    """The first ``count`` held-out rows of the prompt set, categories in turn; long prompts are measured apart
+    (:mod:`bench.eagle_context`), so results stay comparable with those before they existed."""
+    records = [asdict(record) for record in load_prompt_set("heldout") if record.category != LONG_CONTEXT]
+    return [row for _, row in interleave_categories(records, count)]
+
+
 def heldout_prompts(target: LoadedModel, count: int | None) -> list[Prompt]:
-    """The first ``count`` held-out conversations, categories in turn, through the chat template; long prompts are
-    measured apart (:mod:`bench.eagle_context`), so results stay comparable with those before they existed."""
+    """:func:`heldout_conversations` through the chat template."""
     if target.tokenizer is None:
         raise InvalidArgumentError("target", f"{target.name!r} has no tokenizer to apply the chat template")
-    records = [asdict(record) for record in load_prompt_set("heldout") if record.category != LONG_CONTEXT]
-    rows = interleave_categories(records, count)
-    return [Prompt(row["id"], row["category"], encode_chat(target.tokenizer, row["messages"])) for _, row in rows]
+    rows = heldout_conversations(count)
+    return [Prompt(row["id"], row["category"], encode_chat(target.tokenizer, row["messages"])) for row in rows]
 
 
 def describe(

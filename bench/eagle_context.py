@@ -32,15 +32,13 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.arguments import comma_ints, comma_names
-from bench.disaggregated import interleave_categories
-from bench.eagle import GREEDY, Prompt, head_directory, heldout_prompts, measure, recording_engine
+from bench.eagle import GREEDY, Prompt, head_directory, heldout_conversations, measure, recording_engine
 from bench.eagle_agreement import teacher_forced_agreement
 from bench.load.report import elide_option, run_metadata, write_report
 from specdec.distill.data import encode_chat
@@ -108,8 +106,7 @@ AFTER_DOCUMENT = "Thanks, I have read it."  # the reply between the document and
 def agreement_sets(target: Any, count: int) -> dict[str, list[list[int]]]:
     """Prompt token ids per set of the agreement part (see the module docstring)."""
     tokenizer = target.tokenizer
-    held = [asdict(record) for record in load_prompt_set("heldout") if record.category != LONG_CONTEXT]
-    conversations = [row["messages"] for _, row in interleave_categories(held, count)]
+    conversations = [row["messages"] for row in heldout_conversations(count)]
     documents = [row["prompt"] for row in long_prompt_texts(count)]
     after = [
         encode_chat(tokenizer, [{"role": "user", "content": document}, {"role": "assistant", "content": AFTER_DOCUMENT},
@@ -118,7 +115,7 @@ def agreement_sets(target: Any, count: int) -> dict[str, list[list[int]]]:
     ]  # fmt: skip
     ours = [record.messages for record in load_prompt_set("heldout") if record.category == LONG_CONTEXT][:count]
     return {
-        "held-out, short": [prompt.token_ids for prompt in heldout_prompts(target, count)],
+        "held-out, short": [encode_chat(tokenizer, messages) for messages in conversations],
         "held-out after a long document": after,
         "long-context (load.jsonl)": [prompt.token_ids for prompt in long_prompts(tokenizer, count)],
         "long-context (distill held-out)": [encode_chat(tokenizer, messages) for messages in ours],

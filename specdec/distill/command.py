@@ -44,7 +44,7 @@ from specdec.distill.data import (
 )
 from specdec.distill.dtypes import dtype_name, generation_dtype, model_in_dtype, training_dtype
 from specdec.distill.lookup_choice import calibrate_lookup
-from specdec.distill.prompts import load_prompt_set
+from specdec.distill.prompts import CATEGORIES, load_prompt_set
 from specdec.distill.train import (
     CHECKPOINT_FILE,
     Batch,
@@ -246,13 +246,12 @@ def collect_data(
 
 def _categories(text: str) -> set[str]:
     """The prompt-set categories ``--categories`` names (empty: all of them)."""
-    known = {record.category for record in load_prompt_set()}
     named = {name.strip() for name in text.split(",") if name.strip()}
-    unknown = sorted(named - known)
+    unknown = sorted(named - set(CATEGORIES))
     if unknown:
-        offered = ", ".join(sorted(known))
+        offered = ", ".join(sorted(CATEGORIES))
         raise InvalidArgumentError("categories", f"unknown {', '.join(unknown)}; the prompt set has {offered}")
-    return named or known
+    return named or set(CATEGORIES)
 
 
 def _fill(

@@ -13,12 +13,11 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from specdec.distill.prompts import LONG_CONTEXT
+from specdec.distill.prompts import CATEGORIES, LONG_CONTEXT
 
 SEED = 20250611
 PER_CATEGORY = 550
 HELDOUT_PER_CATEGORY = 30
-CATEGORIES = ("chat", "code", "maths", "lists", "rewrite", "summarise", "qa", "multi-turn", LONG_CONTEXT)
 # Long prompts cost a data run far more than the others (a prefill of 650-2 000 tokens each), so fewer of them.
 PER_CATEGORY_OVERRIDE = {LONG_CONTEXT: 430}
 OUTPUT_PATH = Path(__file__).with_name("prompts.jsonl")

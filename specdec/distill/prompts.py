@@ -22,6 +22,7 @@ from specdec.errors import InvalidArgumentError
 PROMPT_SET_PATH = Path(__file__).with_name("prompts.jsonl")
 SPLITS = ("train", "heldout")
 LONG_CONTEXT = "long-context"  # the category of long prompts (benchmarks of short prompts leave it out)
+CATEGORIES = ("chat", "code", "maths", "lists", "rewrite", "summarise", "qa", "multi-turn", LONG_CONTEXT)
 
 
 @dataclass(frozen=True)
