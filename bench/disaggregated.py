@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from specdec.distill.prompts import interleave_categories
+
 MODES = ("off", "sequential", "pipelined", "auto")
 REFERENCE = ("co-located", "off", 1)  # the outputs every configuration is compared with
 
@@ -225,18 +227,6 @@ def mark_batch_timing(records: Sequence[RequestRecord], elapsed_s: float) -> Non
     for record in records:
         record.timed = record is longest
         record.e2e_s = elapsed_s
-
-
-def interleave_categories(rows: Sequence[dict], count: int | None) -> list[tuple[int, dict]]:
-    """The first ``count`` prompts taking categories in turn (so a short run still spans them), with file order."""
-    by_category: dict[str, list[tuple[int, dict]]] = {}
-    for index, row in enumerate(rows):
-        by_category.setdefault(row["category"], []).append((index, row))
-    lanes = list(by_category.values())
-    chosen: list[tuple[int, dict]] = []
-    for depth in range(max((len(lane) for lane in lanes), default=0)):
-        chosen.extend(lane[depth] for lane in lanes if depth < len(lane))
-    return chosen[:count] if count is not None else chosen
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:

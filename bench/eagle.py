@@ -54,13 +54,12 @@ import transformers
 
 from bench.arguments import comma_ints
 from bench.colocated import ConfigResult, Generate, compare, engine_generator, hf_generator
-from bench.disaggregated import interleave_categories
 from bench.eagle_agreement import teacher_forced_agreement
 from bench.load.report import cpu_model
 from specdec.cache import default_head_dir
 from specdec.distill.command import SUMMARY_FILE
 from specdec.distill.data import encode_chat
-from specdec.distill.prompts import LONG_CONTEXT, load_prompt_set
+from specdec.distill.prompts import LONG_CONTEXT, interleave_categories, load_prompt_set
 from specdec.drafters import DraftConfig, Drafter, EagleDrafter, Proposal, build_drafter
 from specdec.engine import Engine, GenerationRequest, GenerationResult, SpecStats
 from specdec.errors import InvalidArgumentError

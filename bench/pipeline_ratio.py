@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench.disaggregated import interleave_categories
 from bench.pipelining import Tally, fmt, load_average, machine_meta
+from specdec.distill.prompts import interleave_categories
 
 
 def widened_head(head_dir: Path, target: torch.nn.Module, size: int, out: Path) -> Path:

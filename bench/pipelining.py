@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.disaggregated import interleave_categories
+from specdec.distill.prompts import interleave_categories
 
 if TYPE_CHECKING:
     from specdec.client import Stats

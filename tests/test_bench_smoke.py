@@ -14,7 +14,6 @@ from bench.disaggregated import (
     RequestRecord,
     Run,
     exposed_draft_fraction,
-    interleave_categories,
     mark_batch_timing,
     markdown,
     summarize,
@@ -116,12 +115,6 @@ def test_a_static_batch_is_timed_by_its_longest_stream() -> None:
 def test_no_completed_round_is_an_error() -> None:
     with pytest.raises(ValueError, match="no timed request"):
         summarize(Run("disaggregated", "off", 1, [RequestRecord(0, [], e2e_s=0.1, rounds=0)], wall_s=0.1))
-
-
-def test_prompts_take_categories_in_turn() -> None:
-    rows = [{"category": c} for c in ("code", "code", "chat", "rewrite", "chat")]
-    assert [index for index, _ in interleave_categories(rows, None)] == [0, 2, 3, 1, 4]
-    assert [index for index, _ in interleave_categories(rows, 2)] == [0, 2]
 
 
 def test_report_rows_and_verdict() -> None:

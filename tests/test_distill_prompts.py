@@ -5,7 +5,14 @@ from collections import Counter
 import pytest
 
 from specdec.distill import make_prompts
-from specdec.distill.prompts import LONG_CONTEXT, PROMPT_SET_PATH, PromptRecord, load_prompt_set
+from specdec.distill.prompts import (
+    CATEGORIES,
+    LONG_CONTEXT,
+    PROMPT_SET_PATH,
+    PromptRecord,
+    interleave_categories,
+    load_prompt_set,
+)
 from specdec.errors import InvalidArgumentError
 
 
@@ -86,3 +93,12 @@ def test_long_context_rows_are_documents_of_hundreds_of_words_and_the_rest_are_s
     long_rows = [r for r in records if r.category == LONG_CONTEXT]
     assert any(len(r.messages) >= 3 for r in long_rows)  # conversations that go on after a document
     assert any("```" in r.messages[0]["content"] for r in long_rows)  # source files as well as reports
+
+
+def test_a_selection_takes_categories_in_turn() -> None:
+    rows = [{"category": c} for c in ("code", "code", "chat", "rewrite", "chat")]
+    assert [index for index, _ in interleave_categories(rows, None)] == [0, 2, 3, 1, 4]
+    assert [index for index, _ in interleave_categories(rows, 2)] == [0, 2]
+    records = load_prompt_set("heldout")
+    first = [record.category for _, record in interleave_categories(records, 2 * len(CATEGORIES), lambda r: r.category)]
+    assert Counter(first) == {category: 2 for category in CATEGORIES}

@@ -44,7 +44,7 @@ from specdec.distill.data import (
 )
 from specdec.distill.dtypes import dtype_name, generation_dtype, model_in_dtype, training_dtype
 from specdec.distill.lookup_choice import calibrate_lookup
-from specdec.distill.prompts import CATEGORIES, load_prompt_set
+from specdec.distill.prompts import CATEGORIES, interleave_categories, load_prompt_set
 from specdec.distill.train import (
     CHECKPOINT_FILE,
     Batch,
@@ -213,8 +213,11 @@ def collect_data(
         _fill(data_dir / "train", splits["train"], lambda t: teacher_force(t, train_runner()))
         return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
     chosen = _categories(args.categories)
-    held = [Conversation(r.id, r.messages) for r in load_prompt_set("heldout") if r.category in chosen]
-    held = held[: args.held_out_prompts]
+    held_rows = [r for r in load_prompt_set("heldout") if r.category in chosen]
+    # categories in turn, so the checkpoints are ranked on every kind of prompt trained on (in file order, 64 rows
+    # were chat, code and four maths)
+    held_rows = [r for _, r in interleave_categories(held_rows, args.held_out_prompts, lambda r: r.category)]
+    held = [Conversation(r.id, r.messages) for r in held_rows]
     train_rows = [r for r in load_prompt_set("train") if r.category in chosen]
     random.Random(args.seed).shuffle(train_rows)  # a time-bounded run still sees every category
     train_conversations = [
@@ -241,7 +244,9 @@ def collect_data(
 
     _fill(data_dir / "heldout", held, lambda t: generate(t, runner, None))
     _fill(data_dir / "train", train_conversations, lambda t: generate(t, train_runner(), args.data_minutes))
-    return read_shards(data_dir / "train", fused=fused), read_shards(data_dir / "heldout", fused=fused)
+    held_ids = {c.id for c in held}  # the cache may also hold another selection's held-out rows: rank on this one
+    held_out = [e for e in read_shards(data_dir / "heldout", fused=fused) if e.id in held_ids]
+    return read_shards(data_dir / "train", fused=fused), held_out
 
 
 def _categories(text: str) -> set[str]:

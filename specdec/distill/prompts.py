@@ -14,8 +14,10 @@ The file is generated, never edited by hand: ``python -m specdec.distill.make_pr
 """
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from specdec.errors import InvalidArgumentError
 
@@ -23,6 +25,8 @@ PROMPT_SET_PATH = Path(__file__).with_name("prompts.jsonl")
 SPLITS = ("train", "heldout")
 LONG_CONTEXT = "long-context"  # the category of long prompts (benchmarks of short prompts leave it out)
 CATEGORIES = ("chat", "code", "maths", "lists", "rewrite", "summarise", "qa", "multi-turn", LONG_CONTEXT)
+
+Row = TypeVar("Row")
 
 
 @dataclass(frozen=True)
@@ -53,3 +57,18 @@ def load_prompt_set(split: str | None = None, path: Path | None = None) -> list[
                     )
                 )
     return records
+
+
+def interleave_categories(
+    rows: Sequence[Row], count: int | None, category: Callable[[Row], str] = lambda row: row["category"]
+) -> list[tuple[int, Row]]:
+    """The first ``count`` rows (None: all) taking categories in turn, so a short selection still spans them, each
+    with its index in ``rows``; within a category, file order. ``category``: a row's category (default: a dict's)."""
+    by_category: dict[str, list[tuple[int, Any]]] = {}
+    for index, row in enumerate(rows):
+        by_category.setdefault(category(row), []).append((index, row))
+    lanes = list(by_category.values())
+    chosen: list[tuple[int, Row]] = []
+    for depth in range(max((len(lane) for lane in lanes), default=0)):
+        chosen.extend(lane[depth] for lane in lanes if depth < len(lane))
+    return chosen[:count] if count is not None else chosen
