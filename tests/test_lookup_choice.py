@@ -59,7 +59,7 @@ def test_row_lengths_are_what_the_served_drafter_gets_accepted(
             drafter.close(handle)
             chain = [proposal.tree.tokens[node] for node in range(len(proposal.tree))]
             expected_head.append(_accepted(chain, text, len(known), last_row - row))
-            index = LookupIndex(known[1:])  # a batch row's text starts after the first token
+            index = LookupIndex(known)  # the whole text, as served
             sizes = [size for size in range(1, 9) if index.prompt_lookup(size, DEPTH)]
             lookup = index.prompt_lookup(1, DEPTH)
             expected_lookup.append(_accepted(lookup, text, len(known), last_row - row))
@@ -68,6 +68,31 @@ def test_row_lengths_are_what_the_served_drafter_gets_accepted(
     assert measured.lookup.tolist() == expected_lookup
     assert measured.match.tolist() == expected_match
     assert sum(expected_head) > 0 and sum(expected_lookup) > 0  # both kinds of chain are accepted somewhere
+
+
+def test_lookup_reads_a_long_texts_start_that_the_window_leaves_out(target: LoadedModel) -> None:
+    """A text longer than the training window: its rows' lookup chains and matches are those of serving, whose
+    lookup reads the whole text. The prompt ends in a tail (1, 2, 3) that only its start, outside the window, holds."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3]
+    (example,) = examples_of(target, [prompt], max_tokens=12, temperature=0.0)
+    text = example.token_ids.tolist()
+    first = len(prompt) - 1  # the window's first head position: the prompt's last token
+    head = random_head(target, seed=3)
+    lm_head = target.model.get_output_embeddings().weight
+    [batch] = with_target_argmax(make_batches([example], 3072, len(text) - 1 - first), lm_head, head.draft_to_target)
+    measured = row_chains(head, batch, DEPTH)
+    expected_lookup, expected_match, window_only_match = [], [], []
+    for position in range(first, len(text) - 1):  # every row of the window predicts a response token
+        known = text[: position + 1]
+        sizes = [size for size in range(1, 9) if LookupIndex(known).prompt_lookup(size, DEPTH)]
+        lookup = LookupIndex(known).prompt_lookup(1, DEPTH)
+        expected_lookup.append(_accepted(lookup, text, position + 1, len(text) - 2 - position))
+        expected_match.append(max(sizes, default=0))
+        window_only = LookupIndex(known[first:])
+        window_only_match.append(max((s for s in range(1, 9) if window_only.prompt_lookup(s, DEPTH)), default=0))
+    assert measured.lookup.tolist() == expected_lookup
+    assert measured.match.tolist() == expected_match
+    assert expected_match[0] == 3 and window_only_match[0] == 0  # the window alone would miss it
 
 
 def _accepted(chain: list[int], text: list[int], start: int, room: int) -> int:

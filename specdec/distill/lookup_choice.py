@@ -88,10 +88,11 @@ def row_chains(head: EagleHead, batch: Batch, depth: int = CHAIN_DEPTH) -> RowCh
         text = tokens[row].tolist()
         ok = greedy[row].tolist()
         agrees = head_ok[:, row].tolist()
-        index = LookupIndex(text[: positions[0]] if positions else ())
+        before = batch.context[row].tolist() if batch.context else []  # the text before the window: serving reads it
+        index = LookupIndex(before + text[: positions[0]] if positions else ())
         head_lengths, lookup_lengths, matches = [], [], []
         for position in positions:
-            index.extend(text[len(index) : position + 1])
+            index.extend(text[len(index) - len(before) : position + 1])
             within = range(min(depth, length - position))
             head_lengths.append(_leading([agrees[k][position + k] for k in within], ok, position))
             match, chain = _longest_match(index, depth)

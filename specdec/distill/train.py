@@ -71,8 +71,9 @@ class TrainConfig:
 class Batch:
     """Right-padded rows: ``tokens`` [B, T], ``inputs`` [B, T, W] (the target rows read: ``F_(i-1)``, or the
     fused ``A_(i-1)``), ``targets`` [B, T, H] (``F_i``), ``positions`` [B, T], ``loss_mask`` [B, T] (rows that
-    predict a response token). Rows are stored in half precision (a large data set stays in memory): raw layer rows in
-    bfloat16, final-norm rows in float16."""
+    predict a response token), ``context``: per row, the tokens of its text before the window (the first token, and
+    a long text's start; prompt lookup reads them, as serving's lookup reads the whole text). Rows are stored in half
+    precision (a large data set stays in memory): raw layer rows in bfloat16, final-norm rows in float16."""
 
     tokens: torch.Tensor
     inputs: torch.Tensor
@@ -81,6 +82,7 @@ class Batch:
     loss_mask: torch.Tensor
     target_top: torch.Tensor | None = None  # [R] (held-out batches): see :func:`with_target_argmax`
     target_token: torch.Tensor | None = None  # [R] (held-out batches): the target's argmax token at each loss row
+    context: tuple[torch.Tensor, ...] = ()  # per row (() in a batch made by hand: none)
 
     @property
     def num_tokens(self) -> int:
@@ -157,15 +159,17 @@ def _collate(examples: list[Example], max_length: int, fused: bool) -> Batch:
     targets = torch.zeros(count, length, hidden, dtype=torch.float16)
     loss_mask = torch.zeros(count, length, dtype=torch.bool)
     positions = torch.arange(1, length + 1).repeat(count, 1)
+    context = []
     for row, example in enumerate(examples):
         first, size = _window(example, max_length)  # head positions first .. first + size - 1
+        context.append(example.token_ids[:first])
         row_of = first - 1 - example.features_start  # the stored row of F_(first - 1)
         tokens[row, :size] = example.token_ids[first : first + size].long()
         inputs[row, :size] = (example.fused if fused else example.features)[row_of : row_of + size]
         targets[row, :size] = example.features[row_of + 1 : row_of + 1 + size]
         positions[row] += first - 1
         loss_mask[row, :size] = positions[row, :size] + 1 >= example.prompt_length  # predicts t_(i+1) of the response
-    return Batch(tokens, inputs, targets, positions, loss_mask)
+    return Batch(tokens, inputs, targets, positions, loss_mask, context=tuple(context))
 
 
 def with_target_argmax(batches: Sequence[Batch], lm_head: torch.Tensor, draft_ids: torch.Tensor) -> list[Batch]:
