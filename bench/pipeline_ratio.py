@@ -5,7 +5,11 @@ ratio: its bound over sequential speculation is ``(draft + verify) / max(draft, 
 equal. To move the ratio without changing what the head predicts, the trained eagle head is served at several
 **draft-vocabulary sizes**: the same weights, its LM head widened with the target's own rows of more tokens (the
 rows added in id order, as ``choose_draft_vocab`` fills; the full vocabulary at the largest). On this target the
-LM head dominates the head's cost, so the largest makes one round's drafting about as long as its verification.
+LM head dominates the head's cost. With the head's draft layers over int8 weights (``--draft-quantization auto``, as
+served on a CPU) the full vocabulary drafted a round in 0.16 of its verification (``pipeline-ratio-1.2m.md``); over
+float32 weights (``--draft-quantization none``: the same head, its argmax the same but for rounding) a round's
+drafting comes near its verification, the ratio where pipelining can pay most. ``--predraft-outcomes N`` lets each
+pre-draft prepare N outcomes (multi-outcome pre-drafting: full acceptance and the likeliest rejections).
 
 One verifier and, per size, one drafter and one router, all subprocesses on 127.0.0.1 with one torch thread each;
 greedy chains of ``--gamma``, float32, EOS honoured, chat-templated prompts, one stream. Every repeat runs each
@@ -85,7 +89,9 @@ def report(meta: dict, rows: list[dict]) -> str:
         "",
         f"Head: `{meta['head']}` at draft-vocabulary sizes {meta['sizes']}. Greedy chains of γ = {meta['gamma']}, "
         f"float32, EOS honoured, max {meta['max_tokens']} new tokens, {meta['num_prompts']} chat prompts, 1 stream, "
-        f"{meta['repeats']} interleaved repeats. Torch threads: verifier 1, each drafter 1.",
+        f"{meta['repeats']} interleaved repeats. Torch threads: verifier 1, each drafter 1. Draft layers: "
+        f"`--draft-quantization {meta.get('draft_quantization', 'auto')}`; pre-drafts prepare "
+        f"{meta.get('predraft_outcomes', 1)} outcome(s).",
         "",
         f"Greedy outputs identical to speculation off in every configuration and repeat: "
         f"**{'yes' if meta['all_identical'] else 'NO'}**. Speculation off: "
@@ -118,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-model", type=Path, help="the trained head (default: the head cached for --target)")
     parser.add_argument("--draft-vocab-sizes", default="8192,24576,49152")
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--draft-quantization", default="auto", help="the drafters' --draft-quantization")
+    parser.add_argument("--predraft-outcomes", type=int, default=1, help="the drafters' --predraft-outcomes")
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--num-prompts", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
@@ -145,12 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         verifier = services.spawn(
             "verifier", "verifier_service", ["--model", args.target, "--dtype", "float32", "--torch-threads", "1"]
         )
+        options = ["--kind", "eagle", "--target", args.target, "--torch-threads", "1", "--draft-quantization",
+                   args.draft_quantization, "--predraft-outcomes", str(args.predraft_outcomes)]  # fmt: skip
         drafters = {
-            size: services.spawn(
-                f"drafter-{size}",
-                "drafter_service",
-                ["--kind", "eagle", "--target", args.target, "--torch-threads", "1", "--draft-model", str(path)],
-            )
+            size: services.spawn(f"drafter-{size}", "drafter_service", [*options, "--draft-model", str(path)])
             for size, path in paths.items()
         }
         clients = {}
@@ -204,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         "sizes": sizes,
         **machine_meta("bench.pipeline_ratio", argv, load_before),
         "gamma": args.gamma,
+        "draft_quantization": args.draft_quantization,
+        "predraft_outcomes": args.predraft_outcomes,
         "max_tokens": args.max_tokens,
         "num_prompts": len(prompts),
         "repeats": args.repeats,
