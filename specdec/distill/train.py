@@ -128,10 +128,11 @@ def make_batches(
     EAGLE-3 head)."""
     if fused and any(e.fused is None for e in examples):
         raise InvalidArgumentError("data", "a fused head needs examples with fused rows (regenerate the data)")
-    rows = sorted((e for e in examples if _window(e, max_length)[1] >= 1), key=lambda e: _window(e, max_length)[1])
+    sized = sorted(((_window(e, max_length)[1], e) for e in examples), key=lambda pair: pair[0])
     batches, group = [], []
-    for example in rows:
-        length = _window(example, max_length)[1]
+    for length, example in sized:
+        if length < 1:
+            continue
         if group and (len(group) + 1) * length > batch_tokens:
             batches.append(_collate(group, max_length, fused))
             group = []
