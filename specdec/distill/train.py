@@ -163,7 +163,7 @@ def _collate(examples: list[Example], max_length: int, fused: bool) -> Batch:
     context = []
     for row, example in enumerate(examples):
         first, size = _window(example, max_length)  # head positions first .. first + size - 1
-        context.append(example.token_ids[:first])
+        context.append(example.token_ids[:first].clone())  # a copy: a view would keep the shard file mapped
         row_of = first - 1 - example.features_start  # the stored row of F_(first - 1)
         tokens[row, :size] = example.token_ids[first : first + size].long()
         inputs[row, :size] = (example.fused if fused else example.features)[row_of : row_of + size]
