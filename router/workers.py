@@ -284,7 +284,11 @@ class GrpcVerifier(WorkerClient):
         proposal = drafted.payload if drafted is not None else common_pb2.Proposal()
         assert isinstance(proposal, common_pb2.Proposal)
         request = verifier_pb2.VerifyRequest(
-            sequence_id=sequence_id, proposal=proposal, defer_bonus=defer_bonus, stop_features=stop_features
+            sequence_id=sequence_id,
+            proposal=proposal,
+            defer_bonus=defer_bonus,
+            stop_features=stop_features,
+            assumed_path=drafted.assumed_path if defer_bonus and drafted is not None else (),
         )
         # weighed by its nodes and the feature rows its answer brings, where they are many (a prompt's)
         weights = (proposal_nodes(proposal), self._rows_due_kilobytes.pop(sequence_id, 0))

@@ -12,9 +12,10 @@ fresh uniforms, whatever happened before, so each acceptance test and each final
 draft and of all earlier decisions: that independence is all the rule needs to be exact.
 
 Deferred bonus (DESIGN §4 pipelining). With ``defer_bonus`` the router has already drafted the next chain as
-if this one were accepted in full. When the verdict accepts a whole root-to-leaf path and would end with a
-bonus token, the bonus is not drawn: the path is committed (its leaf has KV, nothing is pending) and the row
-``p(γ+1)`` at the leaf is kept. The next call's tree hangs off that leaf and uses the kept row as its root
+if this one were accepted in full (a tree: along its ``assumed_path``). When the verdict accepts that whole
+root-to-leaf path and would end with a bonus token, the bonus is not drawn: the path is committed (its leaf has
+KV, nothing is pending) and the row ``p(γ+1)`` at the leaf is kept. (Whether it is deferred depends on the
+accepted path alone, never on the bonus.) The next call's tree hangs off that leaf and uses the kept row as its root
 row, so the pre-drafted chain's first token is verified against ``p(γ+1)`` exactly as the first token of a
 fresh round would be; if the next proposal is empty the bonus is drawn from the kept row. The round that
 deferred discards its ``draw_uniform`` unused and the next round draws its own, so no uniform is used twice.
@@ -98,11 +99,13 @@ class Runner(Protocol):
 
 @dataclass(frozen=True)
 class VerifyCall:
-    """One sequence's part of a batched round; ``defer_bonus`` asks to keep the bonus row (pipelining)."""
+    """One sequence's part of a batched round; ``defer_bonus`` asks to keep the bonus row (pipelining) when the
+    verdict accepts the whole ``assumed_path`` (empty: any whole path), the one the next proposal was drafted from."""
 
     sequence_id: str
     proposal: Proposal
     defer_bonus: bool = False
+    assumed_path: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -455,6 +458,7 @@ class BatchVerifier:
                 job.call.defer_bonus
                 and verdict.final_token_kind == "bonus"
                 and bool(verdict.accepted_path)
+                and job.call.assumed_path in ((), tuple(verdict.accepted_path))
                 and sequence.remaining - len(verdict.accepted_path) > 1
             )
             if job.deferred:  # the bonus is not drawn: emit the accepted tokens only

@@ -121,8 +121,12 @@ def wait_until(condition, timeout_s: float = 5.0) -> bool:
 
 
 @pytest.mark.parametrize("speculation", ["off", "sequential", "pipelined"])
-@pytest.mark.parametrize("drafter", ["ngram", "model"])
-def test_greedy_output_equals_colocated_target_only(services: Services, target, drafter: str, speculation: str) -> None:
+@pytest.mark.parametrize(("drafter", "tree_width"), [("ngram", 0), ("model", 0), ("model", 3)])
+def test_greedy_output_equals_colocated_target_only(
+    services: Services, target, drafter: str, tree_width: int, speculation: str
+) -> None:
+    """Every round adds its accepted tokens and one more, but a pipeline hit's (its bonus deferred): also for a
+    pipelined tree (``tree_width`` 3), whose other leaves, accepted whole, are no hit and defer nothing."""
     expected = engine_reference(target, 40, ignore_eos=True)
     with services.client() as client:
         for prompt, (tokens, reason) in zip(PROMPTS, expected, strict=True):
@@ -134,6 +138,7 @@ def test_greedy_output_equals_colocated_target_only(services: Services, target, 
                 drafter=drafter,
                 speculation=speculation,
                 num_draft_tokens=3,
+                tree_width=tree_width,
             )
             assert result.token_ids == tokens, f"prompt {prompt}: {drafter} {speculation}"
             assert result.finish_reason == reason == "length"

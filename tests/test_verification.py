@@ -353,6 +353,23 @@ def test_deferral_not_on_rejection_nor_for_the_last_token(target) -> None:
     assert verifier.num_open == 0
 
 
+@pytest.mark.parametrize(("assumed_path", "deferred"), [((0,), True), ((1,), False), ((), True)])
+def test_a_tree_defers_its_bonus_only_on_the_assumed_path(target, assumed_path: tuple[int, ...], deferred) -> None:
+    """Two leaves under the root, the first the target's token: its whole path is accepted, and the bonus is deferred
+    only when the pre-draft hung off that leaf (or off any, as a chain's); after the other leaf's pre-draft the bonus
+    is drawn at once, as the round after it could not use a kept row."""
+    verifier = BatchVerifier(KVRunner(target.model))
+    truth = hf_greedy(target, PROMPTS[0], 2)
+    verifier.open("a", PROMPTS[0], GREEDY, None, 8, frozenset(), ignore_eos=True)
+    tree = TokenTree((truth[0], (truth[0] + 1) % 8), (-1, -1))
+    call = VerifyCall("a", Proposal(tree, None), defer_bonus=True, assumed_path=assumed_path)
+    [outcome] = verifier.verify([call])
+    assert outcome.verdict.accepted_path == [0]
+    assert outcome.bonus_deferred is deferred
+    assert outcome.verdict.emitted == (truth[:1] if deferred else truth)
+    verifier.close("a")
+
+
 # --- sampled: batching does not change the seeded output ------------------------------------------------------
 
 

@@ -139,7 +139,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.scheduler.metrics.received_bytes.inc(request.ByteSize())  # only here is the request still on the wire
         vocab_size = self.scheduler.verifier.runner.vocab_size
         proposal = proposal_from_wire(request.proposal, vocab_size, max_nodes=self.max_proposal_nodes)
-        call = VerifyCall(request.sequence_id, proposal, request.defer_bonus)
+        call = VerifyCall(request.sequence_id, proposal, request.defer_bonus, tuple(request.assumed_path))
         return Submitted(self.scheduler.verify(call, stop_features=request.stop_features), self._verify_reply)
 
     def _verify_reply(self, outcome: VerifyOutcome) -> verifier_pb2.VerifyReply:

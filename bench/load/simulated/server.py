@@ -158,7 +158,9 @@ class SimVerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Verify(
         self, request: verifier_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> verifier_pb2.VerifyReply:
-        answer = await self.verifier.verify(request.sequence_id, request.proposal, request.defer_bonus)
+        answer = await self.verifier.verify(
+            request.sequence_id, request.proposal, request.defer_bonus, request.assumed_path
+        )
         decision = answer.result
         verdict = common_pb2.Verdict(
             accepted_path=decision.accepted_path,

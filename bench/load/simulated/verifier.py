@@ -78,20 +78,23 @@ def decide_verify(
     parents: Sequence[int],
     *,
     defer_bonus: bool,
+    assumed_path: Sequence[int] = (),
     acceptance: Sequence[float],
     token_range: tuple[int, int],
 ) -> VerifyDecision:
     """One round's verdict under the real verifier's stop and deferral rules; the sequence is not changed.
 
     The final token is a bonus when the path ends at a leaf, else a recovered token; at most ``remaining`` tokens
-    are emitted. A bonus is deferred when asked for, the path is not empty and it would not be the last token.
+    are emitted. A bonus is deferred when asked for, the path is not empty, is the ``assumed_path`` (empty: any) and
+    it would not be the last token.
     """
     path = accept_path(parents, acceptance, sequence.rng)
     bonus = not children_of(parents).get(path[-1] if path else ROOT)
     emitted = [tokens[node] for node in path] + [int(sequence.rng.integers(*token_range))]
     keep = min(len(emitted), sequence.remaining)
     path, emitted = path[:keep], emitted[:keep]
-    if defer_bonus and bonus and path and sequence.remaining - len(path) > 1:
+    assumed = not assumed_path or list(path) == list(assumed_path)
+    if defer_bonus and bonus and path and assumed and sequence.remaining - len(path) > 1:
         return VerifyDecision(path, emitted[:-1], finished=False, bonus_deferred=True)
     return VerifyDecision(path, emitted, finished=keep == sequence.remaining, bonus_deferred=False)
 
@@ -137,6 +140,7 @@ class _VerifyJob:
     tokens: list[int]
     parents: list[int]
     defer_bonus: bool
+    assumed_path: tuple[int, ...] = ()
 
 
 class SimVerifier:
@@ -170,11 +174,11 @@ class SimVerifier:
         self.sequences[sequence_id] = VerifySequence(np.random.default_rng(seed), max_tokens)
 
     async def verify(
-        self, sequence_id: str, proposal: common_pb2.Proposal, defer_bonus: bool
+        self, sequence_id: str, proposal: common_pb2.Proposal, defer_bonus: bool, assumed_path: Sequence[int] = ()
     ) -> Batched[VerifyDecision]:
         sequence = self._get(sequence_id)
         tokens, parents = check_proposal(proposal, self.config.vocab_size)
-        job = _VerifyJob(sequence_id, tokens, parents, defer_bonus)
+        job = _VerifyJob(sequence_id, tokens, parents, defer_bonus, tuple(assumed_path))
         if sequence.kept_row and not tokens:  # the bonus comes from the kept row: no forward, as in the real one
             return Batched(self._decide(job), 0, 1)
         return await self.batcher.submit(job)
@@ -197,6 +201,7 @@ class SimVerifier:
             job.tokens,
             job.parents,
             defer_bonus=job.defer_bonus,
+            assumed_path=job.assumed_path,
             acceptance=self.config.acceptance,
             token_range=self.token_range,
         )
