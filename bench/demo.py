@@ -49,14 +49,12 @@ UP_ARGS = [
     "--verifier-arg=--torch-threads=1",
     "--drafter-arg=--torch-threads=1",  # the eagle head's draft layers run over int8 weights (the default, auto)
 ]  # fmt: skip
-# A greedy tree is dynamic (the 4 likeliest of the nodes drafted 3 levels deep, 3 children under each of the 3
-# likeliest nodes a level): co-located here 1.66x target-only in two runs against 1.46-1.55x for the chain of 4 and
-# 1.56-1.62x with 2 children (bench/results/eagle-dynamic-trees.md, eagle-tree-shapes.md).
-TREE = {"num_draft_tokens": 3, "tree_width": 3, "tree_budget": 4}
-CONFIGS = {  # name -> SDK options
+CONFIGS = {  # name -> SDK options; the eagle rows name no shape but the chain's: the server's default, a greedy
+    # dynamic tree (the 4 likeliest of the nodes drafted 4 levels deep, 3 children under each of the 3 likeliest
+    # nodes a level), co-located here 1.77x target-only against 1.70x for the chain of 4 (eagle-default-shape.md)
     "speculation off": {"speculation": "off"},
     "eagle, auto": {"speculation": "auto", "drafter": "eagle"},
-    "eagle tree, auto": {"speculation": "auto", "drafter": "eagle", **TREE},
+    "eagle chain, auto": {"speculation": "auto", "drafter": "eagle", "tree_width": 1},
     "eagle, sequential": {"speculation": "sequential", "drafter": "eagle"},
     "eagle, pipelined": {"speculation": "pipelined", "drafter": "eagle"},
     "ngram, pipelined": {"speculation": "pipelined", "drafter": "ngram"},
@@ -150,8 +148,8 @@ def run_demo(router: dict, prompts: list[dict]) -> None:
         f"\nGreedy, float32, max {MAX_TOKENS} new tokens, one request at a time through the router; tokens/s is "
         "over the client's end-to-end time (prefill included); every drafter must give the same tokens as no "
         "speculation.\n`auto`, the server's default, picks each round's draft length (0 included) from "
-        "the request's measured acceptance and the verifier's measured costs; sequential and pipelined draft 4; "
-        "the tree row verifies up to the 4 likeliest nodes of a tree drafted 3 levels deep (auto picks how many).\n"
+        "the request's measured acceptance and the verifier's measured costs; the eagle rows verify up to the 4 "
+        "likeliest nodes of a tree drafted 4 levels deep (the server's default shape), the chain row a chain of 4.\n"
         "The eagle drafter is a one-layer head trained on the target's own outputs "
         f"and features (the target's features travel to it with every verdict); the full head: `{FULL_HEAD_COMMAND}`."
     )

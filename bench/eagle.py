@@ -81,12 +81,13 @@ SHAPES = {  # each tree beside the chain that verifies as many positions (chain 
     "tree d4 w4 b8": DraftConfig(num_draft_tokens=4, tree_width=4, tree_budget=8),
     "tree d6 w3 b8": DraftConfig(num_draft_tokens=6, tree_width=3, tree_budget=8),  # greedy: deeper where sure
     "tree d3 w3 b4": DraftConfig(num_draft_tokens=3, tree_width=3, tree_budget=4),
+    "tree d4 w3 b4": DraftConfig(num_draft_tokens=4, tree_width=3, tree_budget=4),  # the router's default shape
 }
 BUDGET_SHAPE = "chain γ=4"
 INT8_SHAPES = ("chain γ=2", "chain γ=3", BUDGET_SHAPE, "tree d3 w2 b4", "tree d4 w2 b8")  # speed rows, int8 head
 LOOKUP_SHAPES = (BUDGET_SHAPE, "tree d3 w2 b4", "tree d4 w2 b8")  # ... int8 head + prompt lookup (served default)
 TREE_SHAPES = (  # the trees section
-    *("chain γ=3", BUDGET_SHAPE, "chain γ=8", "tree d3 w2 b4", "tree d3 w3 b4"),
+    *("chain γ=3", BUDGET_SHAPE, "chain γ=8", "tree d3 w2 b4", "tree d3 w3 b4", "tree d4 w3 b4"),
     *("tree d4 w2 b8", "tree d4 w3 b8", "tree d4 w4 b8", "tree d5 w2 b8"),
 )
 LOOKUP_MIN_MATCHES = (0, 3, 5)  # the lookup section: the head alone, then prompt lookup from these tail matches

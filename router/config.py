@@ -19,6 +19,7 @@ from pathlib import Path
 from grpc_common.tls import PLAINTEXT, TlsConfig, add_tls_arguments, tls_from_args
 from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
+from specdec.tree import DEFAULT_DEPTH, DEFAULT_WIDTH
 
 ENV_PREFIX = "SPECDEC_ROUTER_"
 MAX_TREE_WIDTH = 16  # children per tree node a request (or the server's default shape) may ask
@@ -51,8 +52,10 @@ class RouterConfig:
     ``worker_streams`` sends each worker's batches on one long-lived stream (:mod:`router.calls`); off, each batch
     is a unary RPC. ``num_draft_tokens``, ``tree_width`` and ``tree_budget`` are the candidate shape of a request
     that names none (as SGLang's ``--speculative-num-steps``, ``--speculative-eagle-topk`` and
-    ``--speculative-num-draft-tokens`` are a server's): a chain of 4 by default; ``tree_budget`` 0 is ``tree_width``
-    nodes a level.
+    ``--speculative-num-draft-tokens`` are a server's); ``tree_budget`` 0 is ``tree_width`` nodes a level, ``None``
+    as many nodes as levels. The default, the 4 most probable nodes of a tree 4 deep with 3 children under each of a
+    level's 3 most probable nodes, is EAGLE-2's dynamic tree for a greedy request, and a chain of 4 for a sampled one
+    (:func:`specdec.tree.sampled_tree_is_chain`) or from a drafter of chains (the n-gram drafter).
     """
 
     model: str
@@ -63,9 +66,9 @@ class RouterConfig:
     grpc_port: int = 50051
     http_port: int = 8000
     default_drafter: str = ""
-    num_draft_tokens: int = 4
-    tree_width: int = 1
-    tree_budget: int = 0
+    num_draft_tokens: int = DEFAULT_DEPTH
+    tree_width: int = DEFAULT_WIDTH
+    tree_budget: int | None = None
     max_draft_tokens: int = 32
     default_speculation: str = "auto"
     max_concurrent_requests: int = 64
@@ -110,7 +113,8 @@ class RouterConfig:
             raise InvalidArgumentError("num_draft_tokens", f"must be <= max_draft_tokens ({self.max_draft_tokens})")
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise InvalidArgumentError("tree_width", f"must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
-        check_tree_budget(self.tree_budget, self.tree_width, self.num_draft_tokens)
+        if self.tree_budget is not None:
+            check_tree_budget(self.tree_budget, self.tree_width, self.num_draft_tokens)
         for name in (
             "retry_after_s",
             "drafter_deadline_s",
@@ -218,13 +222,16 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--default-drafter", default=env("default_drafter"), help="drafter kind for requests naming none"
     )
     parser.add_argument(
-        "--num-draft-tokens", type=int, default=env("num_draft_tokens"), help="default chain length γ (tree depth)"
+        "--num-draft-tokens", type=int, default=env("num_draft_tokens"), help="default chain length γ or tree depth (4)"
     )
     parser.add_argument(
-        "--tree-width", type=int, default=env("tree_width"), help="default children per tree node (1: a chain)"
+        "--tree-width", type=int, default=env("tree_width"), help="default children per tree node (3; 1: a chain)"
     )
     parser.add_argument(
-        "--tree-budget", type=int, default=env("tree_budget"), help="default tree nodes (0: tree width per level)"
+        "--tree-budget",
+        type=int,
+        default=env("tree_budget"),
+        help="default tree nodes (unset: as many as levels; 0: tree width per level)",
     )
     parser.add_argument(
         "--max-draft-tokens", type=int, default=env("max_draft_tokens"), help="largest γ a request may ask"

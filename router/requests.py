@@ -24,6 +24,7 @@ from router.config import MAX_TREE_WIDTH, RouterConfig, check_tree_budget
 from specdec.drafter_kinds import DRAFTER_KINDS
 from specdec.errors import InvalidArgumentError
 from specdec.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from specdec.tree import default_budget, sampled_tree_is_chain
 
 Mode = Literal["off", "sequential", "pipelined", "auto"]
 MODES: tuple[str, ...] = ("off", "sequential", "pipelined", "auto")
@@ -163,7 +164,7 @@ def plan_request(
         raise InvalidArgumentError("top_logprobs", "needs logprobs")
     _check_stop(request.stop, tokenizer)
     mode, kind = _speculation(request, config, drafter_kinds)
-    shape = _shape(request, config)
+    shape = _shape(request, config, sampling)
     eos = frozenset(config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos |= {int(tokenizer.eos_token_id)}
@@ -277,10 +278,12 @@ def _speculation(request: GenerateInput, config: RouterConfig, kinds: Collection
     return cast(Mode, request.speculation or config.default_speculation), kind or None
 
 
-def _shape(request: GenerateInput, config: RouterConfig) -> DraftShape:
+def _shape(request: GenerateInput, config: RouterConfig, sampling: SamplingParams) -> DraftShape:
     """The request's candidate shape; what it leaves at 0 is the server's. A request that names no tree width takes
-    the server's width and budget (the budget capped at what its own depth holds); one that names a width, its own
-    budget (0: the width a level)."""
+    the server's width and budget (the budget capped at what its own depth holds; unset, as many nodes as its depth);
+    one that names a width, its own budget (0: the width a level). A sampled request's tree that is a chain
+    (:func:`specdec.tree.sampled_tree_is_chain`) is planned as that chain: so the server's default shape, the 4 most
+    probable nodes of a tree 4 deep, is a chain of 4 for a sampled request."""
     gamma = request.num_draft_tokens or config.num_draft_tokens
     if not 1 <= gamma <= config.max_draft_tokens:
         raise InvalidArgumentError("num_draft_tokens", f"must be in [0, {config.max_draft_tokens}], got {gamma}")
@@ -289,6 +292,9 @@ def _shape(request: GenerateInput, config: RouterConfig) -> DraftShape:
     if request.tree_width:
         width, budget = request.tree_width, request.tree_budget
     else:
-        width, budget = config.tree_width, request.tree_budget or min(config.tree_budget, config.tree_width * gamma)
+        server_budget = default_budget(config.tree_width, gamma) if config.tree_budget is None else config.tree_budget
+        width, budget = config.tree_width, request.tree_budget or min(server_budget, config.tree_width * gamma)
     check_tree_budget(budget, width, gamma)
+    if not sampling.greedy and sampled_tree_is_chain(width, budget, gamma):
+        return DraftShape(budget)
     return DraftShape(gamma, width, budget)

@@ -25,6 +25,7 @@ from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.precision import DRAFT_QUANTIZATIONS, MODEL_DTYPES, check_dtype
 from specdec.sampling_params import SamplingParams
 from specdec.stats import GenerationResult, SpecStats
+from specdec.tree import DEFAULT_DEPTH, DEFAULT_WIDTH, default_budget
 
 if TYPE_CHECKING:
     from specdec.models import LoadedModel
@@ -46,8 +47,8 @@ def _generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--draft-model", help="draft model for --drafter model (same tokenizer as the target)")
     parser.add_argument("--early-exit-layers", type=int, help="target layers the early-exit drafter uses")
     parser.add_argument("--num-draft-tokens", type=int, help="chain length γ, or tree depth (default 4 / router's)")
-    parser.add_argument("--tree-width", type=int, help="children per expanded node (default 1: chain)")
-    parser.add_argument("--tree-budget", type=int, default=0, help="max tree nodes (0: width × depth)")
+    parser.add_argument("--tree-width", type=int, help="children per expanded node (default 3 / router's; 1: chain)")
+    parser.add_argument("--tree-budget", type=int, help="max tree nodes (default: as many as levels; 0: width × depth)")
     parser.add_argument("--tree-sampling", choices=("iid", "without_replacement"), default="without_replacement")
     parser.add_argument("--draft-top-k", type=int, default=20, help="drafter's own truncation of q")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -146,10 +147,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     from specdec.runner import KVRunner
 
     quiet_model_loading()
+    depth = DEFAULT_DEPTH if args.num_draft_tokens is None else args.num_draft_tokens
+    width = DEFAULT_WIDTH if args.tree_width is None else args.tree_width
     config = DraftConfig(
-        num_draft_tokens=4 if args.num_draft_tokens is None else args.num_draft_tokens,
-        tree_width=1 if args.tree_width is None else args.tree_width,
-        tree_budget=args.tree_budget,
+        num_draft_tokens=depth,
+        tree_width=width,
+        tree_budget=default_budget(width, depth) if args.tree_budget is None else args.tree_budget,
         draft_top_k=args.draft_top_k,
         tree_sampling=args.tree_sampling,
     )
@@ -205,7 +208,7 @@ def _run_on_router(args: argparse.Namespace) -> int:
         "min_p": args.min_p,
         "stop": args.stop,
         "ignore_eos": args.ignore_eos,
-        "tree_budget": args.tree_budget,
+        "tree_budget": args.tree_budget or 0,
     }
     optional = {
         "seed": args.seed,

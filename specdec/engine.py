@@ -24,7 +24,7 @@ from specdec.lookup import LookupIndex
 from specdec.runner import KVRunner
 from specdec.sampling import SamplingParams, TopLogprobs
 from specdec.stats import GenerationResult, SpecStats
-from specdec.tree import TokenTree, grown_dynamically
+from specdec.tree import TokenTree, grown_dynamically, sampled_tree_is_chain
 from specdec.verification import BatchVerifier, VerifyCall, VerifyOutcome
 
 
@@ -188,7 +188,10 @@ class Engine:
         for sequence, budget in zip(active, budgets, strict=True):
             nodes = min(budget, config.max_nodes)
             lookup = len(self._lookup_chain(sequence, nodes))
-            tree = config.tree_width > 1
+            tree = config.tree_width > 1 and (
+                sequence.request.params.greedy
+                or not sampled_tree_is_chain(config.tree_width, config.tree_budget, config.num_draft_tokens)
+            )
             candidates.append(
                 Candidate.for_round(sequence.tracker, config.num_draft_tokens, nodes, tree=tree, lookup=lookup)
             )

@@ -381,6 +381,18 @@ def test_auto_measures_a_cut_dynamic_tree_as_it_prices_it(target: LoadedModel, d
     assert (2, 2) in measured and set(measured) <= {(2, 2), (1, 2)}
 
 
+def test_auto_cuts_a_sampled_tree_that_is_a_chain(target: LoadedModel, draft: LoadedModel) -> None:
+    """A sampled tree of 4 nodes in 4 levels is the chain of 4, so ``auto`` may cut it to 2 nodes, where it sends any
+    other sampled tree whole (it would have drafted all 4 nodes every round)."""
+    config = DraftConfig(num_draft_tokens=4, tree_width=3, tree_budget=4)
+    drafter = build_drafter("model", target, config, draft_model=draft)
+    engine = Engine(KVRunner(target.model), frozenset(), drafter, CyclingController(lengths=(2,)))
+    request = GenerationRequest(PROMPTS[0], SamplingParams(temperature=0.7), 16, seed=3, ignore_eos=True)
+    [result] = engine.generate([request])
+    drafted = {size for size, rounds in enumerate(result.stats.rounds_per_draft_size) if rounds and size}
+    assert 2 in drafted and drafted <= {1, 2}  # 1: a round near the end, with room for one token
+
+
 class ReportedLookup(NgramDrafter):
     """An n-gram drafter whose chains are exactly an eagle drafter's prompt-lookup chains (tails of 2 to 8 tokens),
     reporting ``lookup_min_match`` (0: as a drafter whose rounds are all of one kind)."""

@@ -89,3 +89,33 @@ def test_tree_shape_flags() -> None:
 def test_a_request_takes_the_servers_shape_where_it_names_none(asked: dict, shape: DraftShape) -> None:
     config = RouterConfig(model="m", verifiers=("v:1",), num_draft_tokens=3, tree_width=2, tree_budget=4)
     assert plan_request(GenerateInput(prompt_ids=(1, 2, 3), **asked), config, None, ()).shape == shape
+
+
+@pytest.mark.parametrize(
+    ("asked", "shape"),
+    [
+        ({"temperature": 0.0}, DraftShape(4, 3, 4)),  # greedy: the 4 most probable nodes of a tree 4 deep
+        ({}, DraftShape(4)),  # sampled, it spends its 4 nodes a level each: the chain of 4
+        ({"temperature": 0.7, "tree_budget": 3}, DraftShape(3)),
+        ({"temperature": 0.7, "num_draft_tokens": 3}, DraftShape(3)),  # 3 nodes in 3 levels
+        ({"temperature": 0.7, "tree_budget": 6}, DraftShape(4, 3, 6)),  # 6 nodes in 4 levels: a tree
+        ({"temperature": 0.7, "tree_width": 2, "tree_budget": 6}, DraftShape(4, 2, 6)),
+    ],
+)
+def test_the_default_shape_is_a_greedy_tree_and_a_sampled_chain(asked: dict, shape: DraftShape) -> None:
+    config = RouterConfig(model="m", verifiers=("v:1",))
+    assert plan_request(GenerateInput(prompt_ids=(1, 2, 3), **asked), config, None, ()).shape == shape
+
+
+@pytest.mark.parametrize(
+    ("server", "shape"),
+    [
+        ({"num_draft_tokens": 8, "tree_width": 1}, DraftShape(8)),  # a chain of the server's depth, not of 4 nodes
+        ({"num_draft_tokens": 2, "tree_width": 1}, DraftShape(2)),
+        ({"num_draft_tokens": 6}, DraftShape(6, 3, 6)),  # as many nodes as levels
+        ({"num_draft_tokens": 6, "tree_budget": 0}, DraftShape(6, 3, 0)),  # the width a level
+    ],
+)
+def test_a_server_shape_without_a_budget_verifies_as_many_nodes_as_levels(server: dict, shape: DraftShape) -> None:
+    config = RouterConfig(model="m", verifiers=("v:1",), **server)
+    assert plan_request(GenerateInput(prompt_ids=(1, 2, 3), temperature=0.0), config, None, ()).shape == shape

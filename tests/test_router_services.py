@@ -121,12 +121,13 @@ def wait_until(condition, timeout_s: float = 5.0) -> bool:
 
 
 @pytest.mark.parametrize("speculation", ["off", "sequential", "pipelined"])
-@pytest.mark.parametrize(("drafter", "tree_width"), [("ngram", 0), ("model", 0), ("model", 3)])
+@pytest.mark.parametrize(("drafter", "tree_width"), [("ngram", 0), ("model", 1), ("model", 0), ("model", 3)])
 def test_greedy_output_equals_colocated_target_only(
     services: Services, target, drafter: str, tree_width: int, speculation: str
 ) -> None:
     """Every round adds its accepted tokens and one more, but a pipeline hit's (its bonus deferred): also for a
-    pipelined tree (``tree_width`` 3), whose other leaves, accepted whole, are no hit and defer nothing."""
+    pipelined tree (``tree_width`` 0: the router's default, a dynamic tree of as many nodes as levels; 3: of 3 nodes a
+    level), whose other leaves, accepted whole, are no hit and defer nothing."""
     expected = engine_reference(target, 40, ignore_eos=True)
     with services.client() as client:
         for prompt, (tokens, reason) in zip(PROMPTS, expected, strict=True):
