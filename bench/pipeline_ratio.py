@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             clients[size] = Client(router.ready["grpc"], timeout_s=600)
         base = {"max_tokens": args.max_tokens, "temperature": 0.0}
-        spec = base | {"drafter": "eagle", "num_draft_tokens": args.gamma}
+        spec = base | {"drafter": "eagle", "num_draft_tokens": args.gamma, "tree_width": 1}
         modes = ("sequential", "pipelined")
         try:
             for client in clients.values():  # warm-up, uncounted

@@ -92,9 +92,7 @@ def options(config: Config, args: argparse.Namespace) -> dict:
     if config.speculation == "off":
         return base
     base |= {"drafter": args.drafter_kind, "num_draft_tokens": args.tree_depth if config.tree else args.gamma}
-    if config.tree:
-        base |= {"tree_width": 2, "tree_budget": args.tree_budget}
-    return base
+    return base | ({"tree_width": 2, "tree_budget": args.tree_budget} if config.tree else {"tree_width": 1})
 
 
 def fmt(value: object) -> str:

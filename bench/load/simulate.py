@@ -330,6 +330,8 @@ def simulated_stack(config: SimulationConfig, *, log_dir: Path) -> Iterator[Simu
             "0",
             "--num-draft-tokens",
             str(config.num_draft_tokens),
+            "--tree-width",  # chains: what expected_accepted_length models
+            "1",
             "--max-concurrent-requests",
             str(config.max_concurrent_requests),
             "--max-waiting-requests",
