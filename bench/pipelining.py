@@ -92,7 +92,9 @@ def options(config: Config, args: argparse.Namespace) -> dict:
     if config.speculation == "off":
         return base
     base |= {"drafter": args.drafter_kind, "num_draft_tokens": args.tree_depth if config.tree else args.gamma}
-    return base | ({"tree_width": 2, "tree_budget": args.tree_budget} if config.tree else {"tree_width": 1})
+    return base | (
+        {"tree_width": args.tree_width, "tree_budget": args.tree_budget} if config.tree else {"tree_width": 1}
+    )
 
 
 def fmt(value: object) -> str:
@@ -133,9 +135,9 @@ def report(meta: dict, rows: list[dict]) -> str:
         "",
         f"Greedy, float32, EOS honoured, max {meta['max_tokens']} new tokens, {meta['num_prompts']} chat prompts, "
         f"1 stream, {meta['repeats']} interleaved repeats. Chains: γ = {meta['gamma']}; trees: depth "
-        f"{meta['tree_depth']}, width 2, at most {meta['tree_budget']} nodes. Multi-outcome: the drafter pre-drafts "
-        f"for full acceptance and {meta['outcomes'] - 1} rejection verdicts (`--predraft-outcomes "
-        f"{meta['outcomes']}`). Torch threads: verifier 1, each drafter 1.",
+        f"{meta['tree_depth']}, width {meta.get('tree_width', 2)}, at most {meta['tree_budget']} nodes. "
+        f"Multi-outcome: the drafter pre-drafts for full acceptance and {meta['outcomes'] - 1} rejection verdicts "
+        f"(`--predraft-outcomes {meta['outcomes']}`). Torch threads: verifier 1, each drafter 1.",
         "",
         f"Greedy outputs identical to speculation off in every configuration and repeat: "
         f"**{'yes' if meta['all_identical'] else 'NO'}**.",
@@ -171,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--gamma", type=int, default=4, help="chain length")
     parser.add_argument("--tree-depth", type=int, default=3)
+    parser.add_argument("--tree-width", type=int, default=2)
     parser.add_argument("--tree-budget", type=int, default=6)
     parser.add_argument("--outcomes", type=int, default=3, help="--predraft-outcomes of the multi-outcome drafter")
     parser.add_argument("--output-dir", type=Path, default=Path("bench/results"))
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "gamma": args.gamma,
         "tree_depth": args.tree_depth,
+        "tree_width": args.tree_width,
         "tree_budget": args.tree_budget,
         "outcomes": args.outcomes,
         "all_identical": all(row["same_as_off"] for row in table),
