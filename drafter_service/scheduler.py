@@ -144,7 +144,7 @@ class DraftScheduler(BatchScheduler[_Propose]):
         features: tuple[int, torch.Tensor] | None = None,
         cancel_through: int = 0,
     ) -> Future:
-        """The committed text of ``sequence_id`` is now ``text[:base_length] + emitted``; -> None.
+        """The committed text of ``sequence_id`` is now ``text[:base_length] + emitted``; -> nanoseconds it took.
 
         ``features`` (``start, rows``: the verdict's target feature rows) are given to the drafter first.
         ``cancel_through`` > 0 cancels the sequence's unanswered Proposes numbered up to it, now (module docstring).
@@ -155,11 +155,13 @@ class DraftScheduler(BatchScheduler[_Propose]):
                 previous = self._cancelled_through.get(sequence_id, 0)
                 self._cancelled_through[sequence_id] = max(previous, cancel_through)
 
-        def run() -> None:
+        def run() -> int:
+            started = time.perf_counter_ns()
             handle = self._handle(sequence_id)
             if features is not None:
                 self.drafter.add_features(handle, *features)
             self.drafter.sync(handle, base_length, emitted)
+            return time.perf_counter_ns() - started
 
         return self.submit(sequence_id, run)
 

@@ -164,7 +164,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         future = self.scheduler.commit(
             request.sequence_id, request.base_length, list(request.emitted), features, request.cancel_through
         )
-        return Submitted(future, lambda _: drafter_pb2.DraftCommitReply())
+        return Submitted(future, lambda commit_ns: drafter_pb2.DraftCommitReply(commit_ns=commit_ns))
 
     def _submit_close(self, request: drafter_pb2.CloseDraftRequest) -> Submitted:
         return Submitted(self.scheduler.close(request.sequence_id), lambda _: drafter_pb2.CloseDraftReply())

@@ -102,7 +102,11 @@ class RouterMetrics:
 
         self.draft_seconds = own_histogram("specdec:draft_seconds", "Drafter time per proposal.", ROUND_BUCKETS)
         self.verify_seconds = own_histogram("specdec:verify_seconds", "Verifier time per round.", ROUND_BUCKETS)
-        self.state_seconds = own_histogram("specdec:state_seconds", "State refresh time per round.", ROUND_BUCKETS)
+        self.state_seconds = own_histogram(
+            "specdec:state_seconds",
+            "State refresh time per round: the verifier's commit, and the drafter's of a Commit the round waited for.",
+            ROUND_BUCKETS,
+        )
         self.round_seconds = own_histogram("specdec:round_seconds", "Wall time of a round.", ROUND_BUCKETS)
         self.router_overhead_seconds = own_histogram(
             "specdec:router_overhead_seconds",
@@ -154,9 +158,10 @@ class RouterMetrics:
             for position in range(accepted):
                 self._accepted_at(position).inc()
         self.verify_seconds.observe(verified.verify_ns / 1e9)
-        self.state_seconds.observe(verified.state_ns / 1e9)
+        state_ns = verified.state_ns + record.exposed_commit_ns  # the verifier's commit and the drafter's
+        self.state_seconds.observe(state_ns / 1e9)
         self.round_seconds.observe(record.wall_ns / 1e9)
-        overhead_ns = record.wall_ns - record.exposed_draft_ns - verified.verify_ns - verified.state_ns
+        overhead_ns = record.wall_ns - record.exposed_draft_ns - verified.verify_ns - state_ns
         self.router_overhead_seconds.observe(max(0, overhead_ns) / 1e9)
         if record.pipeline_hit is not None:
             (self.pipeline_hits if record.pipeline_hit else self.pipeline_misses).inc()

@@ -108,6 +108,7 @@ class Drafted:
     the emitted tokens of the rejection verdicts that pre-draft also prepares for; ``outcomes`` (a pre-draft's
     answer) the proposals prepared for the previous proposal's ``rejections``, in their order (:mod:`router.predraft`).
     ``model_free``: drafted without running a model (prompt lookup), so ``draft_ns`` is no draft level's cost.
+    ``commit_ns``: the drafter's time applying the Commit that travelled with this Propose (0: none did).
     """
 
     tree: TokenTree
@@ -118,6 +119,7 @@ class Drafted:
     rejections: tuple[tuple[int, ...], ...] = ()
     outcomes: tuple[Drafted, ...] = ()
     model_free: bool = False
+    commit_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ class RoundRecord:
     """One round whose verdict was taken, for monitoring: what it verified and where its wall time went.
 
     ``exposed_draft_ns`` is the drafter time the verifier waited for: a fresh proposal's ``draft_ns``, 0 for a
-    proposal pre-drafted during the previous round (or no proposal); ``drafter_wait_ns`` the round's wall time until
+    proposal pre-drafted during the previous round (or no proposal), and ``exposed_commit_ns`` the drafter's time
+    applying the Commit that fresh proposal carried; ``drafter_wait_ns`` the round's wall time until
     that fresh proposal was in hand (the call, its queueing and the drafting). ``pipeline_hit`` is None for a round
     that was not pipelined; ``rejection_hit``: the hit was a pre-drafted rejection outcome (multi-outcome
     pre-drafting).
@@ -169,6 +172,7 @@ class RoundRecord:
     pipeline_hit: bool | None
     rejection_hit: bool = False
     drafter_wait_ns: int = 0
+    exposed_commit_ns: int = 0
 
 
 class RoundObserver(Protocol):
@@ -273,8 +277,10 @@ class Chunk:
 @dataclass
 class RequestStats(AcceptanceCounts):
     """Speculation counters of one request (DESIGN §7); ``draft_ns`` and ``wire_bytes`` include discarded proposals;
-    ``feature_bytes`` counts the target feature rows of the verdicts taken. ``pipeline_hits`` counts every pre-draft
-    used, ``pipeline_rejection_hits`` those of them prepared for a rejection verdict (multi-outcome pre-drafting)."""
+    ``state_ns`` is the verifier's commits and the drafter's applying the Commits its verified proposals carried (as
+    the co-located engine's holds its drafter's commits); ``feature_bytes`` counts the target feature rows of the
+    verdicts taken. ``pipeline_hits`` counts every pre-draft used, ``pipeline_rejection_hits`` those of them prepared
+    for a rejection verdict (multi-outcome pre-drafting)."""
 
     draft_ns: int = 0
     verify_ns: int = 0
@@ -293,7 +299,7 @@ class RequestStats(AcceptanceCounts):
     def count_round(self, drafted: Drafted | None, verified: Verified) -> None:
         self.count_verdict(len(drafted.tree) if drafted else 0, len(verified.accepted_path))
         self.verify_ns += verified.verify_ns
-        self.state_ns += verified.state_ns
+        self.state_ns += verified.state_ns + (drafted.commit_ns if drafted else 0)
         self.feature_bytes += verified.feature_bytes
 
 
@@ -789,10 +795,17 @@ class Session:
         if self.drafter is not None and self.finish_reason is None:
             cancel_through = predraft.propose_id if predraft is not None and not hit else 0
             self._pending_commit = Commit(base_length, verified.emitted, verified.features, cancel_through)
-        exposed_ns = drafted.draft_ns if fresh and drafted is not None else 0
+        exposed = drafted if fresh and drafted is not None else None
         wall_ns = time.perf_counter_ns() - started
         record = RoundRecord(
-            size, verified, wall_ns, exposed_ns, hit if pipelined else None, rejection_hit, drafter_wait_ns
+            size,
+            verified,
+            wall_ns,
+            exposed.draft_ns if exposed else 0,
+            hit if pipelined else None,
+            rejection_hit,
+            drafter_wait_ns,
+            exposed.commit_ns if exposed else 0,
         )
         if self._controller is not None:
             depth = drafted.tree.max_depth() if size and drafted is not None else 0

@@ -176,9 +176,10 @@ class GrpcDrafter(WorkerClient):
         else:  # one group, Commit first: the drafter applies it first, and no batch split can reorder the two
             call, weights = _commit_call(sequence_id, *commit)
             committed, proposed = self.batcher.submit_group([call, propose], weights)
+        commit_ns = 0
         try:
             if committed is not None:
-                self._result("commit", await committed)
+                commit_ns = self._result("commit", await committed).commit_ns
             reply = self._result("propose", await proposed)
         except BaseException:  # a proposal after a failed commit is not used; nobody is left to read its answer
             proposed.cancel()
@@ -193,7 +194,7 @@ class GrpcDrafter(WorkerClient):
         assumed = tuple(reply.assumed_path) or (tuple(range(len(tree))) if tree.is_chain else ())
         rejections = tuple(tuple(guess.emitted) for guess in reply.rejections)
         return Drafted(
-            tree, reply.proposal, reply.draft_ns, wire_bytes, assumed, rejections, outcomes, reply.model_free
+            tree, reply.proposal, reply.draft_ns, wire_bytes, assumed, rejections, outcomes, reply.model_free, commit_ns
         )
 
     async def commit(

@@ -100,10 +100,11 @@ def propose(stub, sequence_id: str, max_tokens: int = 8, assume: bool = False) -
 
 
 def commit(stub, sequence_id: str, base_length: int, emitted: list[int]) -> None:
-    stub.Commit(
+    reply = stub.Commit(
         drafter_pb2.DraftCommitRequest(sequence_id=sequence_id, base_length=base_length, emitted=emitted),
         timeout=TIMEOUT_S,
     )
+    assert reply.commit_ns > 0  # the drafter's time applying it, which the router counts as state
 
 
 def assert_identical(got: Proposal, expected: Proposal) -> None:

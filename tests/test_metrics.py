@@ -418,3 +418,14 @@ def test_overload_refusal_counts_as_resource_exhausted(slow_stack: Stack) -> Non
         value(after, "vllm:request_success_total", model_name=model, finished_reason="length")
         == value(before, "vllm:request_success_total", model_name=model, finished_reason="length") + 1
     )
+
+
+def test_a_commit_the_round_waited_for_is_state_not_overhead() -> None:
+    """The drafter's time applying the Commit that a fresh proposal carried is state, as the co-located engine's
+    drafter commit is, not what the router and the wire add."""
+    metrics = RouterMetrics("m")
+    verified = Verified((0, 1), (5, 6, 7), False, False, (), verify_ns=3_000_000, state_ns=1_000_000, wire_bytes=9)
+    metrics.on_round(RoundRecord(3, verified, 10_500_000, 2_000_000, False, exposed_commit_ns=500_000))
+    registry = metrics.registry
+    assert registry.get_sample_value("specdec:router_overhead_seconds_sum") == pytest.approx(0.004)
+    assert registry.get_sample_value("specdec:state_seconds_sum") == pytest.approx(0.0015)
