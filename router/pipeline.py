@@ -159,8 +159,8 @@ class RoundRecord:
 
     ``exposed_draft_ns`` is the drafter time the verifier waited for: a fresh proposal's ``draft_ns``, 0 for a
     proposal pre-drafted during the previous round (or no proposal), and ``exposed_commit_ns`` the drafter's time
-    applying the Commit that fresh proposal carried; ``drafter_wait_ns`` the round's wall time until
-    that fresh proposal was in hand (the call, its queueing and the drafting). ``pipeline_hit`` is None for a round
+    applying the Commit that fresh proposal carried; ``drafter_wait_ns`` the round's wall time until that fresh
+    proposal was in hand (the call, its queueing and the drafting). ``pipeline_hit`` is None for a round
     that was not pipelined; ``rejection_hit``: the hit was a pre-drafted rejection outcome (multi-outcome
     pre-drafting).
     """
