@@ -135,7 +135,7 @@ def report(meta: dict, rows: list[dict]) -> str:
         "",
         f"Greedy, float32, EOS honoured, max {meta['max_tokens']} new tokens, {meta['num_prompts']} chat prompts, "
         f"1 stream, {meta['repeats']} interleaved repeats. Chains: γ = {meta['gamma']}; trees: depth "
-        f"{meta['tree_depth']}, width {meta.get('tree_width', 2)}, at most {meta['tree_budget']} nodes. "
+        f"{meta['tree_depth']}, width {meta['tree_width']}, at most {meta['tree_budget']} nodes. "
         f"Multi-outcome: the drafter pre-drafts for full acceptance and {meta['outcomes'] - 1} rejection verdicts "
         f"(`--predraft-outcomes {meta['outcomes']}`). Torch threads: verifier 1, each drafter 1.",
         "",
