@@ -535,3 +535,21 @@ def test_module_entry_point_serves_and_stops_on_sigterm(tmp_path: Path, target) 
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_status_reports_the_forward_costs_timed_before_serving(stub) -> None:
+    costs = status(stub).forward_costs  # calibrate_positions 64, but a 64-token context leaves 32 past the text
+    assert [cost.positions for cost in costs] == [1, 2, 4, 8, 16, 32]
+    assert all(cost.seconds > 0 for cost in costs)
+
+
+def test_calibration_can_be_switched_off(target) -> None:
+    assert VerifierConfig().calibrate_positions == 64
+    with pytest.raises(InvalidArgumentError, match="calibrate_positions"):
+        VerifierConfig(calibrate_positions=-1)
+    running = start_verifier(VerifierConfig(calibrate_positions=0), model=target)
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            assert not status(verifier_pb2_grpc.VerifierStub(channel)).forward_costs
+    finally:
+        running.stop(grace_s=0)

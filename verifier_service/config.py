@@ -53,6 +53,9 @@ class VerifierConfig:
     sequences far more often. Every message is bounded before anything is allocated: ``max_proposal_nodes`` nodes
     per proposal, ``max_batch_calls`` calls and ``max_batch_nodes`` proposal nodes per Batch (the router sends at
     most 512 calls per Batch and trees of at most 512 nodes).
+    ``calibrate_positions`` (0: none) is the largest forward the verifier times before it serves, at every power of
+    two up to it (:mod:`specdec.calibration`; about a second at 64 on a 2-core CPU): its ``Status`` reports them, and a
+    router's adaptive speculation prices draft lengths from them until it has measured its own forwards.
     """
 
     model: str = "smollm2-135m"
@@ -77,6 +80,7 @@ class VerifierConfig:
     max_proposal_nodes: int = MAX_PROPOSAL_NODES
     max_batch_calls: int = 1024
     max_batch_nodes: int = 8192
+    calibrate_positions: int = 64
     world_size: int = 1
     rank: int = 0
     tls: TlsConfig = PLAINTEXT
@@ -105,6 +109,7 @@ class VerifierConfig:
         for name in (
             "batch_wait_ms",
             "max_seq_len",
+            "calibrate_positions",
             "max_workers",
             "torch_threads",
             "grace_s",
@@ -160,6 +165,7 @@ class VerifierConfig:
         option("max_proposal_nodes", int, "most nodes in one proposal")
         option("max_batch_calls", int, "most calls in one Batch")
         option("max_batch_nodes", int, "most proposal nodes in one Batch")
+        option("calibrate_positions", int, "time forwards of up to this many positions at start (0: none)")
         option("world_size", int, "tensor-parallel ranks", env_name="WORLD_SIZE")
         option("rank", int, "this process's rank (0 serves gRPC)", env_name="RANK")
         add_tls_arguments(parser, ENV_PREFIX, environ)

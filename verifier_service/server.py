@@ -13,6 +13,7 @@ from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
 from grpc_common.memory import IdleTrim, glibc_malloc_trim
 from grpc_common.server import RunningService, start_service
 from specdec.acceptance import SampledRule, verify_batched
+from specdec.calibration import measure_forward_costs
 from specdec.models import LoadedModel, load_model
 from specdec.runner import KVRunner
 from specdec.verification import BatchVerifier, Runner
@@ -48,6 +49,7 @@ def serve(
     config: VerifierConfig, runner: Runner, model: LoadedModel, *, acceptance_rule: SampledRule = verify_batched
 ) -> RunningVerifier:
     """Serve ``runner`` (a :class:`KVRunner` over ``model``, or rank 0's broadcasting one under tensor parallelism)."""
+    forward_costs = measure_forward_costs(runner, min(config.calibrate_positions, config.max_batch_tokens))
     verifier = BatchVerifier(runner, max_sequences=config.max_sequences, rule=acceptance_rule)
     metrics = VerifierMetrics(model.name)
     scheduler = VerifyScheduler(
@@ -71,6 +73,7 @@ def serve(
         max_batch_calls=config.max_batch_calls,
         max_batch_nodes=config.max_batch_nodes,
         max_message_bytes=config.max_message_bytes,
+        forward_costs=forward_costs,
     )
     running = start_service(
         scheduler,

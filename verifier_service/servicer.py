@@ -13,7 +13,7 @@ asked for (:func:`~grpc_common.convert_rows.features_to_wire`), until a Verify s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 from google.protobuf.message import Message
@@ -57,8 +57,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         max_batch_calls: int = 1024,
         max_batch_nodes: int = 8192,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        forward_costs: Sequence[tuple[int, float]] = (),
     ) -> None:
         self.scheduler = scheduler
+        self.forward_costs = tuple(forward_costs)  # (positions, seconds) timed at start (specdec.calibration)
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids
         self.world_size = world_size
@@ -170,6 +172,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 runner_sequences=status.runner_sequences,
                 world_size=self.world_size,
                 batch_stream=True,
+                forward_costs=[
+                    verifier_pb2.ForwardCost(positions=positions, seconds=seconds)
+                    for positions, seconds in self.forward_costs
+                ],
             )
 
         return Submitted(self.scheduler.status(), reply).answer(context, _UNAVAILABLE)
