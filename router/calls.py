@@ -68,6 +68,7 @@ class Worker:
     lookup_min_match: int = 0  # drafters: a text tail this long seen before makes a round a prompt-lookup chain
     timeouts: int = 0  # consecutive calls and health checks that timed out
     batch_stream: bool = False  # its Status says it answers BatchStream (learnt by the first health check)
+    forward_costs: tuple[tuple[int, float], ...] = ()  # verifiers: (positions, seconds) of forwards timed at its start
 
     async def call(self, method: Callable[..., Awaitable[T]], request: object, deadline_s: float | None = None) -> T:
         """``method(request)`` with the deadline; a failure becomes a WorkerError. Counts consecutive timeouts."""

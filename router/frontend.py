@@ -134,6 +134,7 @@ class Frontend:
         if self.draining:
             raise WorkerUnavailableError("router", "UNAVAILABLE", "the router is shutting down")
         await self._admit()
+        self.controller.learn_forward_costs(self.pool.take_forward_costs())
         try:
             text = TextStream(self.tokenizer, plan.prompt_ids, plan.stop) if self.tokenizer is not None else None
             session = Session(

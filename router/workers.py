@@ -255,6 +255,7 @@ class GrpcVerifier(WorkerClient):
             LOG.debug("status of verifier %s failed: %s", self.address, error)
             return
         self.worker.batch_stream = status.batch_stream
+        self.worker.forward_costs = tuple((cost.positions, cost.seconds) for cost in status.forward_costs)
         self.status_known = True
 
     async def open(self, sequence_id: str, spec: SequenceSpec, seed: int) -> None:
@@ -346,6 +347,7 @@ class WorkerPool:
         self._keepalive_task: asyncio.Task[None] | None = None
         # called (on the loop) whenever a worker enters or leaves rotation; the router republishes its readiness
         self.on_health_change: Callable[[], None] | None = None
+        self._unread_forward_costs: list[tuple[int, float]] = []  # from verifiers' Status, not yet taken
 
     @classmethod
     async def start(cls, config: RouterConfig) -> WorkerPool:
@@ -466,6 +468,11 @@ class WorkerPool:
         """Every worker, drafters first, for status reports."""
         return [client.worker for client in self._clients()]
 
+    def take_forward_costs(self) -> list[tuple[int, float]]:
+        """The (positions, seconds) forward costs verifiers reported (timed at their start) since the last call."""
+        costs, self._unread_forward_costs = self._unread_forward_costs, []
+        return costs
+
     # --- health -------------------------------------------------------------------------------------------
 
     async def check_health(self) -> None:
@@ -481,6 +488,8 @@ class WorkerPool:
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if serving and not client.status_known:
                 await client.learn_status(deadline)
+                if isinstance(client, GrpcVerifier):
+                    self._unread_forward_costs.extend(worker.forward_costs)
         except WorkerError as error:
             LOG.debug("health check of %s failed: %s", worker.address, error)
             serving = False

@@ -13,6 +13,8 @@ the drafter adds besides its drafting (disaggregated: the call's wire and its wa
 draft step per level (drafting is batched across sequences level by level) whose cost grows with the R rows drafted
 in it (one per chain, a tree's frontier per tree: on a GPU barely, on a CPU nearly in proportion), and one target
 forward over every position (the curve the verifier's forwards trace).
+The forward's curve starts, where the verifier times its forwards before it serves (:mod:`specdec.calibration`),
+from that ladder of sizes; without it a router that had seen only plain steps priced every larger forward like them.
 The fixed cost is learnt from every round, and the drafter call's own cost is measured directly (the call's wall
 time less the drafting it reports), never as the difference of two averages: under load a round's cost besides
 its forward was mostly queueing for the verifier and grew with the load, and an average learnt from the rare
@@ -445,6 +447,13 @@ class SpeculationController:
         self.rank_population = RankTracker([prior_rate], prior_weight=population_prior_weight, decay=population_decay)
         self.request_prior_weight = request_prior_weight  # observations a new request's population prior counts as
         self.tokens_per_round = MovingAverage(initial=1.0)  # committed per sequence per round, all requests
+
+    def learn_forward_costs(self, costs: Sequence[tuple[int, float]]) -> None:
+        """Start the forward cost curve from ``(positions, seconds)`` timed elsewhere (a verifier times a ladder of
+        sizes when it starts, :mod:`specdec.calibration`): each counts as one measurement, so forwards measured in
+        rounds soon outweigh it."""
+        for positions, seconds in costs:
+            self.cost.forward.observe(positions, seconds)
 
     def tracker(self) -> AcceptanceTracker:
         """A new request's tracker, starting from what the population accepts, and due a probe: where the population

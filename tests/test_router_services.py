@@ -175,6 +175,13 @@ def test_speculation_is_used(services: Services) -> None:
     assert min(accepted.values()) > 0, accepted
 
 
+def test_the_router_prices_forwards_from_the_verifiers_calibration(services: Services) -> None:
+    with services.client() as client:
+        client.generate(prompt_ids=PROMPTS[0], max_tokens=4, temperature=0.0, speculation="off")
+    measured = dict(services.router.frontend.controller.cost.forward.points())
+    assert 64 in measured  # timed by the verifiers at start: no request here ever made a forward that large
+
+
 def test_finish_reasons_with_eos(services: Services, target) -> None:
     expected = engine_reference(target, 60, ignore_eos=False)
     with services.client() as client:
