@@ -3,12 +3,12 @@
 Adaptive speculation prices every draft length by the verifier's forward cost at the positions it would bring
 (:class:`~specdec.adaptive.CostCurve`), learnt from the forwards it has seen. A fresh router has seen none, and
 the first it sees are the sizes it happens to choose: after a spell of plain steps (1-5 positions on a CPU, all
-costing about the same) the curve extrapolated that flat line, priced 25 positions as 5, and ``auto`` drafted 3
-tokens a sequence where 2 paid, into forwards twice as long; on the CPU stack its first 5-stream phase ran 18-19 %
-below speculation off (``bench/results/sweep-auto-default-tree/``). So a verifier times a ladder of forward sizes
-before it serves and reports them in its ``Status``; a router starts its curve from them, and every measured
-forward updates it as before. (vLLM profiles its forwards at start for the same reason: the first requests should
-not be the ones that find out.)
+costing about the same) the curve extrapolated that flat line and priced 25 positions as 5, so ``auto`` drafted
+more than paid into forwards up to twice as long: on the CPU stack its first 5-stream phase ran 17-19 % below
+speculation off, 4-9 % with the ladder below (``bench/results/sweep-auto-default-tree/``). So a verifier times a
+ladder of forward sizes before it serves and reports them in its ``Status``; a router starts its curve from them, and
+every measured forward updates it as before. (vLLM profiles its forwards at start for the same reason: the first
+requests should not be the ones that find out.)
 """
 
 from __future__ import annotations
