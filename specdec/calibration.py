@@ -7,8 +7,7 @@ costing about the same) the curve extrapolated that flat line and priced 25 posi
 more than paid into forwards up to twice as long: on the CPU stack its first 5-stream phase ran 17-19 % below
 speculation off, 4-9 % with the ladder below (``bench/results/sweep-auto-default-tree/``). So a verifier times a
 ladder of forward sizes before it serves and reports them in its ``Status``; a router starts its curve from them, and
-every measured forward updates it as before. (vLLM profiles its forwards at start for the same reason: the first
-requests should not be the ones that find out.)
+every measured forward updates it as before.
 """
 
 from __future__ import annotations
