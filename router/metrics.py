@@ -110,7 +110,13 @@ class RouterMetrics:
         self.round_seconds = own_histogram("specdec:round_seconds", "Wall time of a round.", ROUND_BUCKETS)
         self.router_overhead_seconds = own_histogram(
             "specdec:router_overhead_seconds",
-            "Round wall time less exposed draft, verify and state time: what the router and the wire add.",
+            "Round wall time less exposed draft, verify and state time: what the router, the wire and waiting in the "
+            "workers' queues add.",
+            OVERHEAD_BUCKETS,
+        )
+        self.verifier_queue_seconds = own_histogram(
+            "specdec:verifier_queue_seconds",
+            "Time a round's Verify waited at the verifier for its forward to start (a part of the router overhead).",
             OVERHEAD_BUCKETS,
         )
         self.draft_size = own_histogram(
@@ -163,6 +169,7 @@ class RouterMetrics:
         self.round_seconds.observe(record.wall_ns / 1e9)
         overhead_ns = record.wall_ns - record.exposed_draft_ns - verified.verify_ns - state_ns
         self.router_overhead_seconds.observe(max(0, overhead_ns) / 1e9)
+        self.verifier_queue_seconds.observe(verified.queued_ns / 1e9)
         if record.pipeline_hit is not None:
             (self.pipeline_hits if record.pipeline_hit else self.pipeline_misses).inc()
             if record.rejection_hit:

@@ -160,6 +160,7 @@ def test_metrics_delta_and_router_overhead() -> None:
     assert s["num_drafts"] == 30
     # p50: rank 2.5 in (0.001, 0.005] holding 2, 0.5 above its start → 0.001 + 0.004·0.25 = 2 ms; p99 → +Inf → 5 ms
     assert (s["router_overhead_ms_p50"], s["router_overhead_ms_p99"]) == pytest.approx((2.0, 5.0))
+    assert s["verifier_queue_ms_p50"] is None  # a router that does not export the series
 
 
 def test_saturation_rule() -> None:

@@ -33,6 +33,8 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
         "router_cpu_fraction": 0.1,
         "router_overhead_ms_p50": 1.0,
         "router_overhead_ms_p99": 2.0,
+        "verifier_queue_ms_p50": 0.5,
+        "verifier_queue_ms_p99": None,
         "requests_per_s": 3.0,
         "tokens_per_round": 3.0,
         "failed": 0,
@@ -58,6 +60,7 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
     }
     text = markdown(document)
     assert "| 8 | uvloop | 0.25 | stream | server | . | 10 | 0.500 |" in text
+    assert "| 1.00 / 2.00 | 0.50 / – |" in text
     assert "| 5.00 | 6.00 (6.00) | 0.83 |" in text
 
 

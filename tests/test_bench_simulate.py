@@ -198,6 +198,25 @@ def _chain_proposal(tokens: list[int]) -> common_pb2.Proposal:
     return common_pb2.Proposal(tree=common_pb2.TokenTree(tokens=tokens, parents=[-1, *range(len(tokens) - 1)]))
 
 
+def test_verifier_reports_how_long_a_call_waited_for_its_batch() -> None:
+    """A call that arrives while a batch sleeps waits for it to end: ``queued_ns``, as the real verifier reports."""
+
+    async def scenario() -> None:
+        config = WorkerConfig("verifier", (1.0,), LatencySpec("const", 40.0), 0.0, vocab_size=VOCAB)
+        verifier = SimVerifier(config)
+        verifier.batcher.start()
+        for index in range(2):
+            verifier.open(f"s{index}", [5, 6], seed=index, max_tokens=20)
+        first = asyncio.ensure_future(verifier.verify("s0", _chain_proposal([40]), defer_bonus=True))
+        await asyncio.sleep(0.01)  # s0's batch is sleeping its 40 ms
+        second = await verifier.verify("s1", _chain_proposal([40]), defer_bonus=True)
+        assert (await first).queued_ns < 10e6
+        assert 20e6 < second.queued_ns < 40e6
+        await verifier.batcher.stop()
+
+    asyncio.run(scenario())
+
+
 def test_verifier_batches_calls_and_resolves_a_kept_row_without_a_forward() -> None:
     async def scenario() -> None:
         verifier = _verifier((1.0,), per_sequence_ms=0.5)

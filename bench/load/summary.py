@@ -20,7 +20,8 @@ Definitions (all over the measured, completed requests unless said otherwise; ti
   ``other_ms_per_round`` = wall − exposed draft − verify − state (exposed draft: all of it when rounds are
   sequential, the fresh proposals only when pipelined; see :func:`bench.disaggregated.exposed_draft_fraction`):
   what the router, the wire, queueing and prefill add per round.
-* ``num_drafts`` and ``router_overhead_ms_p50/_p99`` come from the router's ``/metrics`` delta when scraped.
+* ``num_drafts``, ``router_overhead_ms_p50/_p99`` and ``verifier_queue_ms_p50/_p99`` (the part of the overhead a
+  round's Verify waited at the verifier for its forward) come from the router's ``/metrics`` delta when scraped.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ SERVER_COUNTERS = (
     "specdec:pipeline_misses_total",
     "specdec:wire_bytes_total",
 )
+OVERHEAD_SERIES = "specdec:router_overhead_seconds"
+QUEUE_SERIES = "specdec:verifier_queue_seconds"
+QUANTILE_KEYS = tuple(f"{key}_ms_p{q}" for key in ("router_overhead", "verifier_queue") for q in (50, 99))
 
 
 @dataclass(frozen=True)
@@ -150,15 +154,18 @@ def speculation_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
 def server_summary(run: LoadRun) -> dict[str, Any]:
     """What the router's ``/metrics`` delta adds: draft count, its own overhead quantiles, counter totals."""
     if run.metrics is None:
-        return {"num_drafts": None, "router_overhead_ms_p50": None, "router_overhead_ms_p99": None, "server": {}}
-    overhead = histogram_buckets(run.metrics, "specdec:router_overhead_seconds")
-    p50, p99 = histogram_quantile(0.5, overhead), histogram_quantile(0.99, overhead)
+        return {"num_drafts": None, **dict.fromkeys(QUANTILE_KEYS), "server": {}}
     counters = {name: counter_total(run.metrics, name) for name in SERVER_COUNTERS}
     drafts = counters["vllm:spec_decode_num_drafts_total"]
+    quantiles = {}
+    for key, series in (("router_overhead", OVERHEAD_SERIES), ("verifier_queue", QUEUE_SERIES)):
+        buckets = histogram_buckets(run.metrics, series)
+        for quantile in (50, 99):
+            value = histogram_quantile(quantile / 100, buckets)
+            quantiles[f"{key}_ms_p{quantile}"] = None if value is None else 1e3 * value
     return {
         "num_drafts": None if drafts is None else int(drafts),
-        "router_overhead_ms_p50": None if p50 is None else 1e3 * p50,
-        "router_overhead_ms_p99": None if p99 is None else 1e3 * p99,
+        **quantiles,
         "server": {name: value for name, value in counters.items() if value is not None},
     }
 

@@ -34,11 +34,16 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Batched(Generic[R]):
-    """A job's result with the batch it ran in: the batch's sleep and size."""
+    """A job's result with the batch it ran in: the batch's sleep and size, and how long the job waited for that
+    batch to start (as the real verifier reports ``queued_ns``)."""
 
     result: R
     latency_ns: int
     batch_size: int
+    queued_ns: int = 0
+
+
+Entry = tuple[J, float, asyncio.Future[Batched[R]]]  # a job, when it was submitted (monotonic), its caller's Future
 
 
 class Batcher(Generic[J, R]):
@@ -69,7 +74,7 @@ class Batcher(Generic[J, R]):
         self.open_ids = open_ids
         self.arrivals = ArrivalWait(0.0 if batch_wait_s else arrival_wait)  # a fixed window replaces it
         self.calls = self.batches = self.max_batch = 0
-        self._queue: asyncio.Queue[tuple[J, float, asyncio.Future[Batched[R]]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[Entry[J, R]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -89,12 +94,12 @@ class Batcher(Generic[J, R]):
     async def _loop(self) -> None:
         while True:
             entries = await self._take()
-            live = [(job, future) for job, future in entries if not future.done()]
+            live = [(job, submitted, future) for job, submitted, future in entries if not future.done()]
             if not live:
                 continue
             latency_ns = round((self.latency.sample_ms(self.rng) + self.per_sequence_ms * len(live)) * 1e6)
             outcomes: list[R | Exception] = []
-            for job, _ in live:
+            for job, _, _ in live:
                 try:
                     outcomes.append(self.decide(job))
                 except Exception as error:  # this job's caller gets it; the batch goes on
@@ -105,17 +110,18 @@ class Batcher(Generic[J, R]):
             started = time.monotonic()
             await asyncio.sleep(latency_ns / 1e9)
             ended = time.monotonic()
-            self.arrivals.served([job.sequence_id for job, _ in live], ended)
+            self.arrivals.served([job.sequence_id for job, _, _ in live], ended)
             self.arrivals.timed(len(live), ended - started)
-            for (_, future), outcome in zip(live, outcomes, strict=True):
+            for (_, submitted, future), outcome in zip(live, outcomes, strict=True):
                 if future.done():
                     continue
                 if isinstance(outcome, Exception):
                     future.set_exception(outcome)
                 else:
-                    future.set_result(Batched(outcome, latency_ns, len(live)))
+                    queued_ns = max(round((started - submitted) * 1e9), 0)
+                    future.set_result(Batched(outcome, latency_ns, len(live), queued_ns))
 
-    async def _take(self) -> list[tuple[J, asyncio.Future[Batched[R]]]]:
+    async def _take(self) -> list[Entry[J, R]]:
         """The next batch: the first call to come, then every call queued after the fixed window, or once the
         sequences expected back have arrived or the wait stops paying."""
         entries = [self._arrive(await self._queue.get())]
@@ -127,7 +133,7 @@ class Batcher(Generic[J, R]):
                 while not self._queue.empty() and len(entries) < self.max_batch_size:
                     entries.append(self._arrive(self._queue.get_nowait()))
                 now = time.monotonic()
-                until = self.arrivals.until({job.sequence_id for job, _ in entries}, self.open_ids(), now)
+                until = self.arrivals.until({job.sequence_id for job, _, _ in entries}, self.open_ids(), now)
                 deadline = until if deadline is None else min(until, deadline)
                 if deadline <= now:
                     break
@@ -139,7 +145,7 @@ class Batcher(Generic[J, R]):
             entries.append(self._arrive(self._queue.get_nowait()))
         return entries
 
-    def _arrive(self, entry: tuple[J, float, asyncio.Future[Batched[R]]]) -> tuple[J, asyncio.Future[Batched[R]]]:
-        job, submitted, future = entry
+    def _arrive(self, entry: Entry[J, R]) -> Entry[J, R]:
+        job, submitted, _ = entry
         self.arrivals.arrived(job.sequence_id, submitted)
-        return job, future
+        return entry

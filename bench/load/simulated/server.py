@@ -169,7 +169,11 @@ class SimVerifierServicer(verifier_pb2_grpc.VerifierServicer):
             bonus_deferred=decision.bonus_deferred,
         )
         return verifier_pb2.VerifyReply(
-            verdict=verdict, verify_ns=answer.latency_ns, state_ns=0, batch_size=answer.batch_size
+            verdict=verdict,
+            verify_ns=answer.latency_ns,
+            state_ns=0,
+            batch_size=answer.batch_size,
+            queued_ns=answer.queued_ns,
         )
 
     @_mapped
