@@ -61,11 +61,13 @@ class _Propose:
 
 class Drafted(NamedTuple):
     """What a Propose job answers: the proposal, the proposals pre-drafted for the previous proposal's rejection
-    verdicts (in their order) and the drafting time, in nanoseconds."""
+    verdicts (in their order), the drafting time and how long the job waited for its batch to start, in
+    nanoseconds."""
 
     proposal: Proposal
     outcome_proposals: list[Proposal]
     draft_ns: int
+    queued_ns: int = 0
 
 
 class _Ready(NamedTuple):
@@ -215,6 +217,7 @@ class DraftScheduler(BatchScheduler[_Propose]):
     def _run_batch(self, jobs: list[BatchJob[_Propose]]) -> None:
         """Pre-draft, assume and propose for the jobs whose sequences are ready, in one drafter call per step; a
         failing proposal batch is retried job by job."""
+        started = time.monotonic()
         live: list[tuple[BatchJob[_Propose], int]] = []
         for job in jobs:
             try:
@@ -233,7 +236,7 @@ class DraftScheduler(BatchScheduler[_Propose]):
         if not ready:
             return
         try:
-            self._propose(ready)
+            self._propose(ready, started)
         except Exception as error:
             if len(ready) == 1:
                 ready[0].job.future.set_exception(error)
@@ -241,7 +244,7 @@ class DraftScheduler(BatchScheduler[_Propose]):
             LOG.warning("a batch of %d proposals failed; proposing one sequence at a time", len(ready), exc_info=True)
             for entry in ready:
                 try:
-                    self._propose([entry])
+                    self._propose([entry], started)
                 except Exception as single_error:
                     entry.job.future.set_exception(single_error)
 
@@ -269,8 +272,9 @@ class DraftScheduler(BatchScheduler[_Propose]):
                 job.future.set_exception(error)
         return ready
 
-    def _propose(self, ready: list[_Ready]) -> None:
-        """One drafter call for ``ready``; answers each job with its proposal and the call's duration, or CANCELLED."""
+    def _propose(self, ready: list[_Ready], batch_started: float) -> None:
+        """One drafter call for ``ready``; answers each job with its proposal, the call's duration and the job's wait
+        until ``batch_started`` (monotonic), or CANCELLED."""
         started = time.perf_counter_ns()
         proposals = self.drafter.propose(
             [entry.handle for entry in ready],
@@ -290,7 +294,9 @@ class DraftScheduler(BatchScheduler[_Propose]):
             self.metrics.proposals.inc()
             self.metrics.draft_tokens.inc(len(proposal.tree) + sum(len(p.tree) for p in entry.outcome_proposals))
             self._proposals += 1
-            entry.job.future.set_result(Drafted(proposal, entry.outcome_proposals, draft_ns + entry.predraft_ns))
+            queued_ns = max(round((batch_started - entry.job.submitted) * 1e9), 0)
+            drafted = Drafted(proposal, entry.outcome_proposals, draft_ns + entry.predraft_ns, queued_ns)
+            entry.job.future.set_result(drafted)
 
     def _is_cancelled(self, job: BatchJob[_Propose]) -> bool:
         propose_id = job.item.propose_id

@@ -203,4 +203,5 @@ def _propose_reply(drafted: Drafted) -> drafter_pb2.ProposeReply:
         rejections=[drafter_pb2.GuessedVerdict(emitted=rejection.emitted) for rejection in proposal.rejections],
         outcome_proposals=outcomes,
         model_free=proposal.model_free,
+        queued_ns=drafted.queued_ns,
     )

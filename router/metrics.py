@@ -119,6 +119,12 @@ class RouterMetrics:
             "Time a round's Verify waited at the verifier for its forward to start (a part of the router overhead).",
             OVERHEAD_BUCKETS,
         )
+        self.drafter_queue_seconds = own_histogram(
+            "specdec:drafter_queue_seconds",
+            "Time a round's fresh proposal waited at the drafter for its batch to start (a part of the router "
+            "overhead; 0 for a round whose proposal was pre-drafted).",
+            OVERHEAD_BUCKETS,
+        )
         self.draft_size = own_histogram(
             "specdec:draft_tokens_per_round",
             "Draft tokens (tree nodes) verified per round, target-only rounds included (auto: the lengths chosen).",
@@ -170,6 +176,7 @@ class RouterMetrics:
         overhead_ns = record.wall_ns - record.exposed_draft_ns - verified.verify_ns - state_ns
         self.router_overhead_seconds.observe(max(0, overhead_ns) / 1e9)
         self.verifier_queue_seconds.observe(verified.queued_ns / 1e9)
+        self.drafter_queue_seconds.observe(record.exposed_draft_queue_ns / 1e9)
         if record.pipeline_hit is not None:
             (self.pipeline_hits if record.pipeline_hit else self.pipeline_misses).inc()
             if record.rejection_hit:

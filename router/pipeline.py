@@ -108,7 +108,8 @@ class Drafted:
     the emitted tokens of the rejection verdicts that pre-draft also prepares for; ``outcomes`` (a pre-draft's
     answer) the proposals prepared for the previous proposal's ``rejections``, in their order (:mod:`router.predraft`).
     ``model_free``: drafted without running a model (prompt lookup), so ``draft_ns`` is no draft level's cost.
-    ``commit_ns``: the drafter's time applying the Commit that travelled with this Propose (0: none did).
+    ``commit_ns``: the drafter's time applying the Commit that travelled with this Propose (0: none did);
+    ``queued_ns``: how long the Propose waited at the drafter for its batch to start (0: not reported).
     """
 
     tree: TokenTree
@@ -120,6 +121,7 @@ class Drafted:
     outcomes: tuple[Drafted, ...] = ()
     model_free: bool = False
     commit_ns: int = 0
+    queued_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,8 +161,9 @@ class RoundRecord:
 
     ``exposed_draft_ns`` is the drafter time the verifier waited for: a fresh proposal's ``draft_ns``, 0 for a
     proposal pre-drafted during the previous round (or no proposal), and ``exposed_commit_ns`` the drafter's time
-    applying the Commit that fresh proposal carried; ``drafter_wait_ns`` the round's wall time until that fresh
-    proposal was in hand (the call, its queueing and the drafting). ``pipeline_hit`` is None for a round
+    applying the Commit that fresh proposal carried and ``exposed_draft_queue_ns`` its wait at the drafter for its
+    batch; ``drafter_wait_ns`` the round's wall time until that fresh proposal was in hand (the call, its queueing
+    and the drafting). ``pipeline_hit`` is None for a round
     that was not pipelined; ``rejection_hit``: the hit was a pre-drafted rejection outcome (multi-outcome
     pre-drafting).
     """
@@ -173,6 +176,7 @@ class RoundRecord:
     rejection_hit: bool = False
     drafter_wait_ns: int = 0
     exposed_commit_ns: int = 0
+    exposed_draft_queue_ns: int = 0
 
 
 class RoundObserver(Protocol):
@@ -806,6 +810,7 @@ class Session:
             rejection_hit,
             drafter_wait_ns,
             exposed.commit_ns if exposed else 0,
+            exposed.queued_ns if exposed else 0,
         )
         if self._controller is not None:
             depth = drafted.tree.max_depth() if size and drafted is not None else 0

@@ -194,7 +194,16 @@ class GrpcDrafter(WorkerClient):
         assumed = tuple(reply.assumed_path) or (tuple(range(len(tree))) if tree.is_chain else ())
         rejections = tuple(tuple(guess.emitted) for guess in reply.rejections)
         return Drafted(
-            tree, reply.proposal, reply.draft_ns, wire_bytes, assumed, rejections, outcomes, reply.model_free, commit_ns
+            tree,
+            reply.proposal,
+            reply.draft_ns,
+            wire_bytes,
+            assumed,
+            rejections,
+            outcomes,
+            reply.model_free,
+            commit_ns,
+            reply.queued_ns,
         )
 
     async def commit(

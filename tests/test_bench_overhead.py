@@ -35,6 +35,8 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
         "router_overhead_ms_p99": 2.0,
         "verifier_queue_ms_p50": 0.5,
         "verifier_queue_ms_p99": None,
+        "drafter_queue_ms_p50": 0.25,
+        "drafter_queue_ms_p99": 0.75,
         "requests_per_s": 3.0,
         "tokens_per_round": 3.0,
         "failed": 0,
@@ -60,7 +62,7 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
     }
     text = markdown(document)
     assert "| 8 | uvloop | 0.25 | stream | server | . | 10 | 0.500 |" in text
-    assert "| 1.00 / 2.00 | 0.50 / – |" in text
+    assert "| 1.00 / 2.00 | 0.50 / – | 0.25 / 0.75 |" in text
     assert "| 5.00 | 6.00 (6.00) | 0.83 |" in text
 
 

@@ -332,6 +332,18 @@ def test_queued_proposes_become_batches_in_arrival_order_per_sequence(scripted) 
     assert (snapshot.proposals, snapshot.batches, snapshot.max_batch, snapshot.open_sequences) == (5, 2, 3, 5)
 
 
+def test_a_propose_reports_how_long_it_waited_for_its_batch(scripted) -> None:
+    """``queued_ns``: from the call to the start of the batch that drafted it (here: behind a held job)."""
+    scheduler, drafter = scripted
+    open_all(scheduler, ["a"])
+    hold(scheduler, drafter)
+    waited = scheduler.propose("a", 4, False)
+    time.sleep(0.05)
+    drafter.gate.set()
+    assert waited.result(TIMEOUT_S).queued_ns >= 45e6
+    assert scheduler.propose("a", 4, False).result(TIMEOUT_S).queued_ns < 45e6  # nothing ahead of it
+
+
 def test_a_job_for_a_sequence_in_the_pending_batch_flushes_it_first(scripted) -> None:
     scheduler, drafter = scripted
     open_all(scheduler, ["a", "b"])
@@ -551,8 +563,8 @@ def test_a_commit_cancels_the_predrafts_it_names_queued_running_or_late(scripted
     with pytest.raises(CancelledByCallerError):
         running.result(TIMEOUT_S)
     assert drafter.stopped == [0], "the running draft was told to stop"
-    proposal, outcomes, _ = scheduler.propose("a", 4, True, propose_id=3).result(TIMEOUT_S)
-    assert len(proposal.tree) == 1 and outcomes == []
+    drafted = scheduler.propose("a", 4, True, propose_id=3).result(TIMEOUT_S)
+    assert len(drafted.proposal.tree) == 1 and drafted.outcome_proposals == []
     assert scheduler.status().result(TIMEOUT_S).cancelled == 3
 
 

@@ -64,6 +64,7 @@ ROUTER_NAMES = {
     "specdec:round_seconds_bucket",
     "specdec:router_overhead_seconds_bucket",
     "specdec:verifier_queue_seconds_bucket",
+    "specdec:drafter_queue_seconds_bucket",
     "specdec:pipeline_hits_total",
     "specdec:pipeline_misses_total",
     "specdec:wire_bytes_total",
@@ -432,15 +433,18 @@ def test_a_commit_the_round_waited_for_is_state_not_overhead() -> None:
     assert registry.get_sample_value("specdec:state_seconds_sum") == pytest.approx(0.0015)
 
 
-def test_the_verifier_queue_is_reported_as_its_part_of_the_overhead() -> None:
-    """The time a Verify waited at the verifier for its forward is its own series and stays in the overhead (what a
-    round spends beside the draft, the forward and the state: the router, the wire and the workers' queues)."""
+def test_the_workers_queues_are_reported_as_their_parts_of_the_overhead() -> None:
+    """The time a Verify waited at the verifier for its forward, and a fresh proposal at the drafter for its batch,
+    are series of their own and stay in the overhead (what a round spends beside the draft, the forward and the
+    state: the router, the wire and the workers' queues)."""
     metrics = RouterMetrics("m")
     verified = Verified(
         (0, 1), (5, 6, 7), False, False, (), verify_ns=3_000_000, state_ns=1_000_000, wire_bytes=9, queued_ns=2_500_000
     )
-    metrics.on_round(RoundRecord(3, verified, wall_ns=10_000_000, exposed_draft_ns=2_000_000, pipeline_hit=False))
+    record = RoundRecord(3, verified, 10_000_000, 2_000_000, False, exposed_draft_queue_ns=1_000_000)
+    metrics.on_round(record)
     registry = metrics.registry
     assert registry.get_sample_value("specdec:router_overhead_seconds_sum") == pytest.approx(0.004)
     assert registry.get_sample_value("specdec:verifier_queue_seconds_sum") == pytest.approx(0.0025)
+    assert registry.get_sample_value("specdec:drafter_queue_seconds_sum") == pytest.approx(0.001)
     assert registry.get_sample_value("specdec:verifier_queue_seconds_count") == 1

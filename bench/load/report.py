@@ -178,7 +178,7 @@ def section7_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     lens = s["input_len_stats"]
     slo = s["slo"]
     positions = ", ".join(f"{rate:.2f}" for rate in s["acceptance_by_position"]) or "–"
-    queue = f"{_f(s['verifier_queue_ms_p50'])} / {_f(s['verifier_queue_ms_p99'])}"
+    queues = " / ".join(_f(s[f"{worker}_queue_ms_p{q}"]) for worker in ("verifier", "drafter") for q in (50, 99))
     return [
         ("load", _load(s)),
         ("requests (measured / warm-up)", f"{s['num_prompts']} / {s['warmup_requests']}"),
@@ -197,7 +197,7 @@ def section7_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("state-refresh ms / round", _f(s["state_ms_per_round"])),
         ("wall ms / round (other)", f"{_f(s['wall_ms_per_round'])} ({_f(s['other_ms_per_round'])})"),
         ("router overhead ms p50 / p99", f"{_f(s['router_overhead_ms_p50'])} / {_f(s['router_overhead_ms_p99'])}"),
-        ("of which verifier queue ms p50 / p99", queue),
+        ("of which verifier queue, drafter queue ms p50 / p99", queues),
         ("pipeline hit rate", _f(s["pipeline_hit_rate"])),
         ("wire bytes / round", _f(s["wire_bytes_per_round"], ".0f")),
         ("drafter fallbacks", str(s["drafter_fallbacks"])),

@@ -20,8 +20,9 @@ Definitions (all over the measured, completed requests unless said otherwise; ti
   ``other_ms_per_round`` = wall − exposed draft − verify − state (exposed draft: all of it when rounds are
   sequential, the fresh proposals only when pipelined; see :func:`bench.disaggregated.exposed_draft_fraction`):
   what the router, the wire, queueing and prefill add per round.
-* ``num_drafts``, ``router_overhead_ms_p50/_p99`` and ``verifier_queue_ms_p50/_p99`` (the part of the overhead a
-  round's Verify waited at the verifier for its forward) come from the router's ``/metrics`` delta when scraped.
+* ``num_drafts``, ``router_overhead_ms_p50/_p99``, ``verifier_queue_ms_p50/_p99`` and ``drafter_queue_ms_p50/_p99``
+  (the parts of the overhead a round's Verify waited at the verifier for its forward and its fresh proposal at the
+  drafter for its batch) come from the router's ``/metrics`` delta when scraped.
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ SERVER_COUNTERS = (
     "specdec:pipeline_misses_total",
     "specdec:wire_bytes_total",
 )
-OVERHEAD_SERIES = "specdec:router_overhead_seconds"
-QUEUE_SERIES = "specdec:verifier_queue_seconds"
-QUANTILE_KEYS = tuple(f"{key}_ms_p{q}" for key in ("router_overhead", "verifier_queue") for q in (50, 99))
+QUANTILE_SERIES = {  # summary key -> the router's histogram
+    "router_overhead": "specdec:router_overhead_seconds",
+    "verifier_queue": "specdec:verifier_queue_seconds",
+    "drafter_queue": "specdec:drafter_queue_seconds",
+}
+QUANTILE_KEYS = tuple(f"{key}_ms_p{q}" for key in QUANTILE_SERIES for q in (50, 99))
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ def server_summary(run: LoadRun) -> dict[str, Any]:
     counters = {name: counter_total(run.metrics, name) for name in SERVER_COUNTERS}
     drafts = counters["vllm:spec_decode_num_drafts_total"]
     quantiles = {}
-    for key, series in (("router_overhead", OVERHEAD_SERIES), ("verifier_queue", QUEUE_SERIES)):
+    for key, series in QUANTILE_SERIES.items():
         buckets = histogram_buckets(run.metrics, series)
         for quantile in (50, 99):
             value = histogram_quantile(quantile / 100, buckets)

@@ -237,7 +237,9 @@ class SimDrafterServicer(drafter_pb2_grpc.DrafterServicer):
             request.sequence_id, request.max_tokens, request.assume_previous_accepted, request.propose_id
         )
         proposal = answer.result
-        return drafter_pb2.ProposeReply(proposal=proposal, draft_ns=answer.latency_ns, wire_bytes=proposal.ByteSize())
+        return drafter_pb2.ProposeReply(
+            proposal=proposal, draft_ns=answer.latency_ns, wire_bytes=proposal.ByteSize(), queued_ns=answer.queued_ns
+        )
 
     @_mapped
     async def Commit(
