@@ -294,7 +294,7 @@ class DraftScheduler(BatchScheduler[_Propose]):
             self.metrics.proposals.inc()
             self.metrics.draft_tokens.inc(len(proposal.tree) + sum(len(p.tree) for p in entry.outcome_proposals))
             self._proposals += 1
-            queued_ns = max(round((batch_started - entry.job.submitted) * 1e9), 0)
+            queued_ns = round(entry.job.queued_s(batch_started) * 1e9)
             drafted = Drafted(proposal, entry.outcome_proposals, draft_ns + entry.predraft_ns, queued_ns)
             entry.job.future.set_result(drafted)
 

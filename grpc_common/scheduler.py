@@ -89,6 +89,10 @@ class BatchJob(Generic[T]):
     future: Future
     submitted: float = field(default_factory=time.monotonic)
 
+    def queued_s(self, started: float) -> float:
+        """How long the job waited for the pass that ``started`` (monotonic) to run it."""
+        return max(started - self.submitted, 0.0)
+
 
 @dataclass(frozen=True)
 class Budget(Generic[T]):

@@ -262,4 +262,4 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         if features is not None:
             dtype = self._feature_dtypes.get(job.sequence_id)
             features = None if dtype is None else features.to("cpu", dtype)
-        return replace(outcome, features=features, queued_s=max(started_at - job.submitted, 0.0))
+        return replace(outcome, features=features, queued_s=job.queued_s(started_at))
