@@ -312,8 +312,9 @@ def test_router_counters_move_by_exactly_the_requests_stats(services: Services, 
     assert delta("vllm:time_to_first_token_seconds_count", model_name=model) == 1
     assert delta("vllm:e2e_request_latency_seconds_count", model_name=model) == 1
     assert delta("vllm:inter_token_latency_seconds_count", model_name=model) == len(token_chunks) - 1
-    for name in ("specdec:verify_seconds", "specdec:state_seconds", "specdec:round_seconds"):
-        assert delta(f"{name}_count") == stats.rounds
+    per_round = ("verify", "state", "round", "verifier_queue", "drafter_queue")
+    for name in (f"specdec:{series}_seconds" for series in per_round):
+        assert delta(f"{name}_count") == stats.rounds and delta(f"{name}_sum") >= 0
     overhead_count = delta("specdec:router_overhead_seconds_count")
     assert overhead_count == stats.rounds and delta("specdec:router_overhead_seconds_sum") >= 0
     assert delta("specdec:draft_seconds_sum") == pytest.approx(stats.draft_s, abs=1e-6)
