@@ -62,7 +62,7 @@ def test_the_bound_is_the_slower_side_over_the_committed_tokens_per_round() -> N
     }
     text = markdown(document)
     assert "| 8 | uvloop | 0.25 | stream | server | . | 10 | 0.500 |" in text
-    assert "| 1.00 / 2.00 | 0.50 / – | 0.25 / 0.75 |" in text
+    assert "| 0.10 | 4.00 | 1.00 / 2.00 | 0.50 / – | 0.25 / 0.75 |" in text  # burst: 8 streams × 0.5 ms
     assert "| 5.00 | 6.00 (6.00) | 0.83 |" in text
 
 
