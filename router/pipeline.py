@@ -163,9 +163,8 @@ class RoundRecord:
     proposal pre-drafted during the previous round (or no proposal), and ``exposed_commit_ns`` the drafter's time
     applying the Commit that fresh proposal carried and ``exposed_draft_queue_ns`` its wait at the drafter for its
     batch; ``drafter_wait_ns`` the round's wall time until that fresh proposal was in hand (the call, its queueing
-    and the drafting). ``pipeline_hit`` is None for a round
-    that was not pipelined; ``rejection_hit``: the hit was a pre-drafted rejection outcome (multi-outcome
-    pre-drafting).
+    and the drafting). ``pipeline_hit`` is None for a round that was not pipelined; ``rejection_hit``: the hit was a
+    pre-drafted rejection outcome (multi-outcome pre-drafting).
     """
 
     draft_size: int  # nodes verified, 0 for a target-only round
