@@ -47,7 +47,7 @@ from bench.load.backends import GrpcBackend
 from bench.load.report import elide_option, run_metadata, write_report
 from bench.load.runner import LoadSpec, run_load
 from bench.load.simulate import LatencySpec, SimulatedStack, SimulationConfig, simulated_stack
-from bench.load.summary import summarize
+from bench.load.summary import QUANTILE_KEYS, summarize
 from bench.load.workload import RequestOptions, load_prompts
 from bench.services import process_cpu_s
 from grpc_common.arrivals import DEFAULT_FRACTION
@@ -90,12 +90,7 @@ async def measure(
         "router_cpu_s": cpu_s,
         "router_cpu_ms_per_round": 1e3 * cpu_s / rounds if rounds else None,
         "router_cpu_fraction": cpu_s / run.duration_s,
-        "router_overhead_ms_p50": summary["router_overhead_ms_p50"],
-        "router_overhead_ms_p99": summary["router_overhead_ms_p99"],
-        "verifier_queue_ms_p50": summary["verifier_queue_ms_p50"],
-        "verifier_queue_ms_p99": summary["verifier_queue_ms_p99"],
-        "drafter_queue_ms_p50": summary["drafter_queue_ms_p50"],
-        "drafter_queue_ms_p99": summary["drafter_queue_ms_p99"],
+        **{key: summary[key] for key in QUANTILE_KEYS},  # the overhead's and its queue parts' p50 / p99
         "requests_per_s": summary["request_throughput"],
         "output_tokens_per_s": summary["output_throughput"],
         "tokens_per_round": summary["tokens_per_round"],

@@ -497,8 +497,7 @@ class WorkerPool:
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if serving and not client.status_known:
                 await client.learn_status(deadline)
-                if isinstance(client, GrpcVerifier):
-                    self._unread_forward_costs.extend(worker.forward_costs)
+                self._unread_forward_costs.extend(worker.forward_costs)  # a verifier's; a drafter reports none
         except WorkerError as error:
             LOG.debug("health check of %s failed: %s", worker.address, error)
             serving = False
