@@ -14,7 +14,7 @@ def test_the_sizes_are_powers_of_two_up_to_the_largest() -> None:
     assert calibration_sizes(0) == []
 
 
-def test_each_size_is_timed_once_and_nothing_stays_open() -> None:
+def test_each_size_is_reported_once_and_nothing_stays_open() -> None:
     runner = KVRunner(tiny_llama(seed=3, vocab_size=16).model)
     costs = measure_forward_costs(runner, 16)
     assert [positions for positions, _ in costs] == [1, 2, 4, 8, 16]
