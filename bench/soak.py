@@ -1,9 +1,9 @@
 """Soak: the real stack at a fixed QPS for minutes; 0 errors, 0 timeouts, p95 within the SLO, memory flat.
 
-Starts :func:`bench.stack.model_stack` (verifier, n-gram drafter, router as loopback subprocesses), runs
-``specdec bench`` against it at ``--qps`` (Poisson arrivals) for ``--duration`` seconds while a thread samples
-every service's resident memory, then writes ``NAME.json`` / ``NAME.md`` (the bench's own report) and
-``NAME-memory.json`` / ``NAME-memory.md`` (RSS series and the verdict) into ``--result-dir``.
+Starts :func:`bench.stack.model_stack` (verifier, one drafter of ``--drafter``'s kind, default n-gram, and router as
+loopback subprocesses), runs ``specdec bench`` against it at ``--qps`` (Poisson arrivals) for ``--duration`` seconds
+while a thread samples every service's resident memory, then writes ``NAME.json`` / ``NAME.md`` (the bench's own
+report) and ``NAME-memory.json`` / ``NAME-memory.md`` (RSS series and the verdict) into ``--result-dir``.
 
     python -m bench.soak --qps 0.4 --duration 600 --slo-ttft-ms 2000 --slo-itl-ms 500
 
@@ -159,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch-tokens", type=int, help="the verifier's per-forward token budget")
+    parser.add_argument(
+        "--max-prefill-backlog-s", type=float, help="the verifier's bound on a new prompt's prefill queue (0: none)"
+    )
     parser.add_argument("--speculation", default="pipelined")
+    parser.add_argument("--drafter", default="ngram", help="the drafter kind the stack serves (ngram, eagle, ...)")
+    parser.add_argument("--eagle-head", type=Path, help="with --drafter eagle: its head (default: the cached one)")
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--slo-ttft-ms", type=float, help="(required)")
     parser.add_argument("--slo-itl-ms", type=float, help="(required)")
     parser.add_argument("--rss-tolerance-mb", type=float, default=20.0)
@@ -177,13 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.qps is None or args.slo_ttft_ms is None or args.slo_itl_ms is None:
         parser.error("--qps, --slo-ttft-ms and --slo-itl-ms are required for a run")
 
-    with model_stack(StackOptions(drafter_kinds=("ngram",), max_batch_tokens=args.max_batch_tokens)) as stack:
+    options = StackOptions(
+        drafter_kinds=(args.drafter,),
+        max_batch_tokens=args.max_batch_tokens,
+        max_prefill_backlog_s=args.max_prefill_backlog_s,
+        eagle_head=args.eagle_head,
+    )
+    with model_stack(options) as stack:
         sampler = MemorySampler(stack.pids(), args.sample_interval)
         specdec = str(Path(sys.executable).with_name("specdec"))
         command = [specdec, "bench", "--backend", "grpc", "--router", stack.grpc_address]
         command += ["--base-url", stack.base_url, "--qps", str(args.qps), "--arrival", "poisson"]
         command += ["--duration", str(args.duration), "--warmup", "4", "--max-tokens", str(args.max_tokens)]
         command += ["--speculation", args.speculation, "--seed", str(args.seed), "--no-progress"]
+        command += ["--drafter", args.drafter, "--temperature", str(args.temperature)]
         command += ["--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-itl-ms", str(args.slo_itl_ms)]
         command += ["--result-dir", str(args.result_dir), "--name", args.name]
         if args.prompts:

@@ -33,6 +33,8 @@ class StackOptions:
     drafter_threads: int = 1
     max_concurrent_requests: int = 64
     max_batch_tokens: int | None = None  # the verifier's per-forward token budget (None: its default)
+    max_prefill_backlog_s: float | None = None  # the verifier's bound on a new prompt's prefill queue (None: default)
+    eagle_head: Path | None = None  # the eagle drafters' head directory (None: the one cached for the target)
     log_dir: Path = Path("/tmp/specdec-bench")
 
 
@@ -62,6 +64,8 @@ def model_stack(options: StackOptions) -> Iterator[ModelStack]:
         verifier_args += ["--torch-threads", str(options.verifier_threads)]
         if options.max_batch_tokens is not None:
             verifier_args += ["--max-batch-tokens", str(options.max_batch_tokens)]
+        if options.max_prefill_backlog_s is not None:
+            verifier_args += ["--max-prefill-backlog-s", str(options.max_prefill_backlog_s)]
         verifier = services.spawn("verifier", "verifier_service", verifier_args)
         drafters = []
         for kind in options.drafter_kinds:
@@ -69,6 +73,8 @@ def model_stack(options: StackOptions) -> Iterator[ModelStack]:
             args += [*gamma, *placement]
             if kind == "early-exit" and options.early_exit_layers is not None:
                 args += ["--early-exit-layers", str(options.early_exit_layers)]
+            if kind == "eagle" and options.eagle_head is not None:
+                args += ["--draft-model", str(options.eagle_head)]
             drafters.append(services.spawn(f"drafter-{kind}", "drafter_service", args))
         router_args = ["--model", options.target, "--grpc-port", "0", "--http-port", "0", *gamma]
         router_args += ["--max-concurrent-requests", str(options.max_concurrent_requests)]
