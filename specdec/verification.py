@@ -312,6 +312,10 @@ class BatchVerifier:
         sequence = self._sequences.get(sequence_id)
         return 0 if sequence is None else max(len(sequence.pending) - 1, 0)
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens the open sequences have yet to prefill (each one's :meth:`prefillable`)."""
+        return sum(max(len(sequence.pending) - 1, 0) for sequence in self._sequences.values())
+
     def check(self, call: VerifyCall) -> None:
         """Raise the error :meth:`verify` would raise for ``call`` alone, touching nothing.
 

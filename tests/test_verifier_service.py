@@ -304,6 +304,29 @@ def test_scheduler_batches_what_waits_and_a_bad_call_fails_alone(target) -> None
     assert isinstance(scheduler.status().exception(TIMEOUT_S), SchedulerStoppedError)
 
 
+def test_a_prompt_behind_too_much_prefill_is_refused_until_that_prefill_is_done(target) -> None:
+    """An open whose prompt would wait behind more than ``max_prefill_backlog_s`` of other prompts' prefill fails with
+    CapacityError (RESOURCE_EXHAUSTED) instead of waiting past the router's deadline; one with nothing ahead of it is
+    always taken, and a large forward reprices a position from its measured time."""
+    scheduler = VerifyScheduler(
+        BatchVerifier(KVRunner(target.model)),
+        max_batch_size=8,
+        max_queued=8,
+        max_prefill_backlog_s=1e-6,
+        seconds_per_position=1.0,  # seeded: a position costs a second until a large forward is timed
+    )
+    scheduler.start()
+    long_prompt = [1 + index % (VOCAB - 2) for index in range(80)]
+    assert scheduler.open("a", long_prompt, GREEDY, 0, 4, frozenset(), True, False).result(TIMEOUT_S) is None
+    refused = scheduler.open("b", [1, 2], GREEDY, 0, 4, frozenset(), True, False).exception(TIMEOUT_S)
+    assert isinstance(refused, CapacityError) and "79 prompt tokens to prefill" in str(refused)
+    assert "max_prefill_backlog_s" in str(refused)
+    scheduler.verify(VerifyCall("a", Proposal(TokenTree.chain([3]), None))).result(TIMEOUT_S)  # a's prompt prefilled
+    assert scheduler.seconds_per_position is not None and scheduler.seconds_per_position < 1.0
+    assert scheduler.open("b", [1, 2], GREEDY, 0, 4, frozenset(), True, False).result(TIMEOUT_S) is None
+    scheduler.stop()
+
+
 def test_each_outcome_says_how_long_its_call_waited_for_its_forward(target) -> None:
     """A call queued while the scheduler thread was not yet running waited until its forward started; the reply
     carries that wait (the router leaves it out of a round's fixed cost)."""
@@ -510,6 +533,10 @@ def test_config_from_args_and_env() -> None:
     assert VerifierConfig.from_args([], {"SPECDEC_VERIFIER_MALLOC_TRIM_IDLE_S": "2.5"}).malloc_trim_idle_s == 2.5
     with pytest.raises(ValueError, match="malloc_trim_idle_s"):
         VerifierConfig(malloc_trim_idle_s=-1)
+    assert VerifierConfig().max_prefill_backlog_s == 10.0
+    assert VerifierConfig.from_args(["--max-prefill-backlog-s", "0"], {}).max_prefill_backlog_s == 0
+    with pytest.raises(ValueError, match="max_prefill_backlog_s"):
+        VerifierConfig(max_prefill_backlog_s=-1)
 
 
 def test_module_entry_point_serves_and_stops_on_sigterm(tmp_path: Path, target) -> None:

@@ -32,6 +32,10 @@ class VerifierConfig:
     wait up to that long while some open sequence has no call queued.
     ``max_batch_tokens`` caps the positions of one forward (prefills of new prompts + draft nodes), so a burst of
     long new prompts is spread over several forwards instead of stalling every stream's round for one huge one.
+    ``max_prefill_backlog_s`` (0: no bound) bounds the prefill a new prompt may queue behind: an OpenSequence whose
+    prompt would wait behind more seconds of other prompts' prefill (at the measured seconds per position of large
+    forwards) answers RESOURCE_EXHAUSTED, which the router passes on as "overloaded, retry later", instead of the
+    prompt waiting past the router's deadline (30 s), which fails the request as UNAVAILABLE.
     ``max_sequences`` bounds the open sequences (beyond it OpenSequence answers RESOURCE_EXHAUSTED) and the queued
     Verify calls.
     ``max_seq_len`` (0: the model's context) caps prompt + generated tokens of a sequence. ``max_workers``
@@ -66,6 +70,7 @@ class VerifierConfig:
     dtype: str = "float32"
     max_batch_size: int = 32
     max_batch_tokens: int = 2048
+    max_prefill_backlog_s: float = 10.0
     batch_wait_ms: float = 0.0
     arrival_wait: float = DEFAULT_FRACTION
     max_sequences: int = 256
@@ -108,6 +113,7 @@ class VerifierConfig:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
         for name in (
             "batch_wait_ms",
+            "max_prefill_backlog_s",
             "max_seq_len",
             "calibrate_positions",
             "max_workers",
@@ -151,6 +157,7 @@ class VerifierConfig:
         option("dtype", str, f"model precision: {', '.join(MODEL_DTYPES)}")
         option("max_batch_size", int, "most Verify calls in one target forward")
         option("max_batch_tokens", int, "most positions (prompt prefills + draft nodes) in one forward")
+        option("max_prefill_backlog_s", float, "seconds of prefill a new prompt may wait behind (0: no bound)")
         option("batch_wait_ms", float, "how long to wait for more Verify calls after the first (0: never)")
         option("arrival_wait", float, "wait for the calls expected back, as a fraction of a forward (0: never)")
         option("max_sequences", int, "open sequences before OpenSequence answers RESOURCE_EXHAUSTED")

@@ -22,6 +22,13 @@ carried one; a CloseSequence frees the sequence at once and fails its carried ca
 sequence; a carried call whose caller has gone is dropped. Only a call whose draft tree alone exceeds the budget
 still runs alone, over it.
 
+Prefill is the one queue a count of calls does not bound: every open sequence's first Verify waits behind the prompts
+opened before it, and on a CPU a few dozen long prompts are minutes of forwards, past the router's deadline, which then
+fails those requests as if the verifier were gone. With ``max_prefill_backlog_s``, an OpenSequence whose prompt would
+queue behind more than that many seconds of prefill (the open sequences' prompt tokens not yet prefilled, priced at
+the seconds per position of the recent large forwards) is refused with CapacityError (RESOURCE_EXHAUSTED, which the
+router hands its client as "overloaded, retry later"); a prompt with nothing ahead of it is always taken.
+
 A sequence opened with a feature dtype gets the target's feature rows with every outcome (an EAGLE drafter drafts from
 them), on the host in that dtype, until a Verify asks to stop them (its drafter is gone; the rows the core still
 computes are dropped from then on).
@@ -45,12 +52,15 @@ from grpc_common.arrivals import DEFAULT_FRACTION
 from grpc_common.memory import IdleTrim
 from grpc_common.scheduler import BatchJob, BatchScheduler, Budget, Job
 from grpc_common.scheduler import SchedulerStoppedError as SchedulerStoppedError  # the servicer's UNAVAILABLE
-from specdec.errors import SpecdecError
+from specdec.errors import CapacityError, SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.verification import BatchVerifier, PrefillChunk, SequenceNotFoundError, VerifyCall, VerifyOutcome
 from verifier_service.metrics import VerifierMetrics
 
 LOG = logging.getLogger(__name__)
+
+PREFILL_RATE_POSITIONS = 64  # forwards at least this large price a prefill position (smaller: mostly fixed cost)
+PREFILL_RATE_DECAY = 0.25  # weight of the newest such forward in the average
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,8 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
     """Serialises every call on ``verifier`` onto one thread and batches Verify calls.
 
     At most ``max_queued`` Verify calls wait at once; beyond that :meth:`verify` raises CapacityError.
+    ``max_prefill_backlog_s`` (None: no bound) refuses an OpenSequence whose prompt would wait behind more prefill
+    than that, priced from ``seconds_per_position`` (a calibration's, until large forwards have been timed).
     ``metrics`` (default: a fresh, unserved set) receives the scheduler's series. ``idle_trim`` (None: never)
     releases freed memory when the scheduler goes idle. ``idle_timeout_s`` (None: never) is a sequence's lease: one
     no call has named for that long is closed and its KV freed.
@@ -82,6 +94,8 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         batch_wait_s: float = 0.0,
         arrival_wait: float = DEFAULT_FRACTION,
         max_batch_tokens: int | None = None,
+        max_prefill_backlog_s: float | None = None,
+        seconds_per_position: float | None = None,
         metrics: VerifierMetrics | None = None,
         idle_trim: IdleTrim | None = None,
         idle_timeout_s: float | None = None,
@@ -100,6 +114,8 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         self.verifier = verifier
         self.metrics = VerifierMetrics() if metrics is None else metrics
         self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_backlog_s = max_prefill_backlog_s
+        self.seconds_per_position = seconds_per_position  # of a large forward; updated on the scheduler thread
         self._calls = self._batches = self._max_batch = 0  # scheduler thread only
         self._feature_dtypes: dict[str, torch.dtype] = {}  # the dtype of each sequence's feature rows; ditto
 
@@ -125,6 +141,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         ``feature_context`` how many last positions' rows an outcome keeps (0: all)."""
 
         def run() -> None:
+            self._check_prefill_backlog(len(prompt_ids))
             self.verifier.open(
                 sequence_id,
                 prompt_ids,
@@ -172,6 +189,26 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         return self.submit("", run)
 
     # --- the scheduler thread ---------------------------------------------------------------------------------
+
+    def _check_prefill_backlog(self, prompt_tokens: int) -> None:
+        """Refuse a new prompt that would wait behind more than ``max_prefill_backlog_s`` of prefill."""
+        rate, bound = self.seconds_per_position, self.max_prefill_backlog_s
+        if rate is None or bound is None:
+            return
+        backlog = self.verifier.prefill_backlog()
+        if backlog and (backlog + prompt_tokens) * rate > bound:
+            raise CapacityError(
+                f"the verifier has {backlog} prompt tokens to prefill (~{backlog * rate:.1f} s) before this one, "
+                f"over its max_prefill_backlog_s of {bound:g} s; retry later"
+            )
+
+    def _timed(self, positions: int, seconds: float) -> None:
+        """A forward of ``positions`` took ``seconds``: large ones update the price of a prefill position."""
+        if positions < PREFILL_RATE_POSITIONS:
+            return
+        sample = seconds / positions
+        rate = self.seconds_per_position
+        self.seconds_per_position = sample if rate is None else rate + PREFILL_RATE_DECAY * (sample - rate)
 
     def _waiting(self, queued: int) -> None:
         self.metrics.waiting.set(queued)
@@ -243,7 +280,9 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
                 self._fail_carried(chunk.sequence_id, error)
             return
         positions = outcomes[0].forward_positions if outcomes else sum(chunk.num_tokens for chunk in chunks)
-        self.metrics.observe_forward(positions, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.metrics.observe_forward(positions, seconds)
+        self._timed(positions, seconds)
         self.metrics.batch_size.observe(len(ready) + len(chunks))
         self.metrics.prefill_chunks.inc(len(chunks))
         if ready:
