@@ -314,7 +314,7 @@ class BatchVerifier:
 
     def prefill_backlog(self) -> int:
         """Prompt tokens the open sequences have yet to prefill (each one's :meth:`prefillable`)."""
-        return sum(max(len(sequence.pending) - 1, 0) for sequence in self._sequences.values())
+        return sum(self.prefillable(sequence_id) for sequence_id in self._sequences)
 
     def check(self, call: VerifyCall) -> None:
         """Raise the error :meth:`verify` would raise for ``call`` alone, touching nothing.
