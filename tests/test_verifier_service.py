@@ -307,22 +307,32 @@ def test_scheduler_batches_what_waits_and_a_bad_call_fails_alone(target) -> None
 def test_a_prompt_behind_too_much_prefill_is_refused_until_that_prefill_is_done(target) -> None:
     """An open whose prompt would wait behind more than ``max_prefill_backlog_s`` of other prompts' prefill fails with
     CapacityError (RESOURCE_EXHAUSTED) instead of waiting past the router's deadline; one with nothing ahead of it is
-    always taken, and a large forward reprices a position from its measured time."""
-    scheduler = VerifyScheduler(
-        BatchVerifier(KVRunner(target.model)),
-        max_batch_size=8,
-        max_queued=8,
-        max_prefill_backlog_s=1e-6,
-        seconds_per_position=1.0,  # seeded: a position costs a second until a large forward is timed
-    )
-    scheduler.start()
+    always taken. The prefill is priced as forwards of ``max_batch_tokens`` on the verifier's cost curve, seeded
+    from a calibration (here 0.5 s for 1 position, 1 s for 16) and updated by every forward it runs."""
     long_prompt = [1 + index % (VOCAB - 2) for index in range(80)]
-    assert scheduler.open("a", long_prompt, GREEDY, 0, 4, frozenset(), True, False).result(TIMEOUT_S) is None
+
+    def scheduler_behind_long_prompt(bound_s: float) -> VerifyScheduler:
+        scheduler = VerifyScheduler(
+            BatchVerifier(KVRunner(target.model)),
+            max_batch_size=8,
+            max_queued=8,
+            max_batch_tokens=16,
+            max_prefill_backlog_s=bound_s,
+            forward_costs=[(1, 0.5), (16, 1.0)],
+        )
+        scheduler.start()
+        assert scheduler.open("a", long_prompt, GREEDY, 0, 4, frozenset(), True, False).result(TIMEOUT_S) is None
+        return scheduler
+
+    roomy = scheduler_behind_long_prompt(5.2)  # 79 + 2 tokens to prefill: 81 / 16 forwards of 1 s = 5.06 s
+    assert roomy.open("b", [1, 2], GREEDY, 0, 4, frozenset(), True, False).result(TIMEOUT_S) is None
+    roomy.stop()
+    scheduler = scheduler_behind_long_prompt(5.0)
     refused = scheduler.open("b", [1, 2], GREEDY, 0, 4, frozenset(), True, False).exception(TIMEOUT_S)
-    assert isinstance(refused, CapacityError) and "79 prompt tokens to prefill" in str(refused)
+    assert isinstance(refused, CapacityError) and "79 prompt tokens to prefill (~4.9 s)" in str(refused)
     assert "max_prefill_backlog_s" in str(refused)
     scheduler.verify(VerifyCall("a", Proposal(TokenTree.chain([3]), None))).result(TIMEOUT_S)  # a's prompt prefilled
-    assert scheduler.seconds_per_position is not None and scheduler.seconds_per_position < 1.0
+    assert scheduler.forward_cost.seconds(16) < 1.0  # its forwards were timed
     assert scheduler.open("b", [1, 2], GREEDY, 0, 4, frozenset(), True, False).result(TIMEOUT_S) is None
     scheduler.stop()
 

@@ -33,9 +33,9 @@ class VerifierConfig:
     ``max_batch_tokens`` caps the positions of one forward (prefills of new prompts + draft nodes), so a burst of
     long new prompts is spread over several forwards instead of stalling every stream's round for one huge one.
     ``max_prefill_backlog_s`` (0: no bound) bounds the prefill a new prompt may queue behind: an OpenSequence whose
-    prompt would wait behind more seconds of other prompts' prefill (at the measured seconds per position of large
-    forwards) answers RESOURCE_EXHAUSTED, which the router passes on as "overloaded, retry later", instead of the
-    prompt waiting past the router's deadline (30 s), which fails the request as UNAVAILABLE.
+    prompt would wait behind more seconds of other prompts' prefill (forwards of ``max_batch_tokens`` at the cost the
+    verifier measures for such a forward) answers RESOURCE_EXHAUSTED, which the router passes on as "overloaded, retry
+    later", instead of the prompt waiting past the router's deadline (30 s), which fails the request as UNAVAILABLE.
     ``max_sequences`` bounds the open sequences (beyond it OpenSequence answers RESOURCE_EXHAUSTED) and the queued
     Verify calls.
     ``max_seq_len`` (0: the model's context) caps prompt + generated tokens of a sequence. ``max_workers``

@@ -25,8 +25,9 @@ still runs alone, over it.
 Prefill is the one queue a count of calls does not bound: every open sequence's first Verify waits behind the prompts
 opened before it, and on a CPU a few dozen long prompts are minutes of forwards, past the router's deadline, which then
 fails those requests as if the verifier were gone. With ``max_prefill_backlog_s``, an OpenSequence whose prompt would
-queue behind more than that many seconds of prefill (the open sequences' prompt tokens not yet prefilled, priced at
-the seconds per position of the recent large forwards) is refused with CapacityError (RESOURCE_EXHAUSTED, which the
+queue behind more than that many seconds of prefill (the open sequences' prompt tokens not yet prefilled, priced as
+forwards of ``max_batch_tokens`` on the verifier's cost curve: :class:`~specdec.adaptive.CostCurve` over every forward
+it has run, seeded from its start-up calibration) is refused with CapacityError (RESOURCE_EXHAUSTED, which the
 router hands its client as "overloaded, retry later"); a prompt with nothing ahead of it is always taken.
 
 A sequence opened with a feature dtype gets the target's feature rows with every outcome (an EAGLE drafter drafts from
@@ -52,15 +53,13 @@ from grpc_common.arrivals import DEFAULT_FRACTION
 from grpc_common.memory import IdleTrim
 from grpc_common.scheduler import BatchJob, BatchScheduler, Budget, Job
 from grpc_common.scheduler import SchedulerStoppedError as SchedulerStoppedError  # the servicer's UNAVAILABLE
+from specdec.adaptive import CostCurve
 from specdec.errors import CapacityError, SpecdecError
 from specdec.sampling import SamplingParams
 from specdec.verification import BatchVerifier, PrefillChunk, SequenceNotFoundError, VerifyCall, VerifyOutcome
 from verifier_service.metrics import VerifierMetrics
 
 LOG = logging.getLogger(__name__)
-
-PREFILL_RATE_POSITIONS = 64  # forwards at least this large price a prefill position (smaller: mostly fixed cost)
-PREFILL_RATE_DECAY = 0.25  # weight of the newest such forward in the average
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,8 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
 
     At most ``max_queued`` Verify calls wait at once; beyond that :meth:`verify` raises CapacityError.
     ``max_prefill_backlog_s`` (None: no bound) refuses an OpenSequence whose prompt would wait behind more prefill
-    than that, priced from ``seconds_per_position`` (a calibration's, until large forwards have been timed).
+    than that, priced on :attr:`forward_cost`, the cost curve of the forwards run, seeded with ``forward_costs``
+    (``(positions, seconds)``, a calibration's; with none, nothing is refused until a forward has been timed).
     ``metrics`` (default: a fresh, unserved set) receives the scheduler's series. ``idle_trim`` (None: never)
     releases freed memory when the scheduler goes idle. ``idle_timeout_s`` (None: never) is a sequence's lease: one
     no call has named for that long is closed and its KV freed.
@@ -95,7 +95,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         arrival_wait: float = DEFAULT_FRACTION,
         max_batch_tokens: int | None = None,
         max_prefill_backlog_s: float | None = None,
-        seconds_per_position: float | None = None,
+        forward_costs: Sequence[tuple[int, float]] = (),
         metrics: VerifierMetrics | None = None,
         idle_trim: IdleTrim | None = None,
         idle_timeout_s: float | None = None,
@@ -115,7 +115,9 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         self.metrics = VerifierMetrics() if metrics is None else metrics
         self.max_batch_tokens = max_batch_tokens
         self.max_prefill_backlog_s = max_prefill_backlog_s
-        self.seconds_per_position = seconds_per_position  # of a large forward; updated on the scheduler thread
+        self.forward_cost = CostCurve()  # updated on the scheduler thread
+        for positions, seconds in forward_costs:
+            self.forward_cost.observe(positions, seconds)
         self._calls = self._batches = self._max_batch = 0  # scheduler thread only
         self._feature_dtypes: dict[str, torch.dtype] = {}  # the dtype of each sequence's feature rows; ditto
 
@@ -192,23 +194,20 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
 
     def _check_prefill_backlog(self, prompt_tokens: int) -> None:
         """Refuse a new prompt that would wait behind more than ``max_prefill_backlog_s`` of prefill."""
-        rate, bound = self.seconds_per_position, self.max_prefill_backlog_s
-        if rate is None or bound is None:
+        bound = self.max_prefill_backlog_s
+        if bound is None or not self.forward_cost.points():
             return
         backlog = self.verifier.prefill_backlog()
-        if backlog and (backlog + prompt_tokens) * rate > bound:
+        if backlog and self._prefill_seconds(backlog + prompt_tokens) > bound:
             raise CapacityError(
-                f"the verifier has {backlog} prompt tokens to prefill (~{backlog * rate:.1f} s) before this one, "
-                f"over its max_prefill_backlog_s of {bound:g} s; retry later"
+                f"the verifier has {backlog} prompt tokens to prefill (~{self._prefill_seconds(backlog):.1f} s) "
+                f"before this one, over its max_prefill_backlog_s of {bound:g} s; retry later"
             )
 
-    def _timed(self, positions: int, seconds: float) -> None:
-        """A forward of ``positions`` took ``seconds``: large ones update the price of a prefill position."""
-        if positions < PREFILL_RATE_POSITIONS:
-            return
-        sample = seconds / positions
-        rate = self.seconds_per_position
-        self.seconds_per_position = sample if rate is None else rate + PREFILL_RATE_DECAY * (sample - rate)
+    def _prefill_seconds(self, positions: int) -> float:
+        """What prefilling ``positions`` prompt tokens costs: forwards of at most ``max_batch_tokens`` each."""
+        chunk = min(positions, self.max_batch_tokens or positions)
+        return self.forward_cost.seconds(chunk) * positions / chunk
 
     def _waiting(self, queued: int) -> None:
         self.metrics.waiting.set(queued)
@@ -282,7 +281,7 @@ class VerifyScheduler(BatchScheduler[VerifyCall]):
         positions = outcomes[0].forward_positions if outcomes else sum(chunk.num_tokens for chunk in chunks)
         seconds = time.perf_counter() - started
         self.metrics.observe_forward(positions, seconds)
-        self._timed(positions, seconds)
+        self.forward_cost.observe(positions, seconds)
         self.metrics.batch_size.observe(len(ready) + len(chunks))
         self.metrics.prefill_chunks.inc(len(chunks))
         if ready:

@@ -52,13 +52,12 @@ def serve(
     forward_costs = measure_forward_costs(runner, min(config.calibrate_positions, config.max_batch_tokens))
     verifier = BatchVerifier(runner, max_sequences=config.max_sequences, rule=acceptance_rule)
     metrics = VerifierMetrics(model.name)
-    largest = max(forward_costs, default=None)  # (positions, seconds): the price of a position until forwards are timed
     scheduler = VerifyScheduler(
         verifier,
         max_batch_size=config.max_batch_size,
         max_batch_tokens=config.max_batch_tokens,
         max_prefill_backlog_s=config.max_prefill_backlog_s or None,
-        seconds_per_position=largest[1] / largest[0] if largest else None,
+        forward_costs=forward_costs,
         max_queued=config.max_sequences,
         batch_wait_s=config.batch_wait_ms / 1000,
         arrival_wait=config.arrival_wait,
