@@ -14,6 +14,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.scheduler import DraftScheduler
 from drafter_service.servicer import DrafterServicer
+from grpc_common.process import start_serving_process
 from grpc_common.server import RunningService, start_service
 from specdec.drafters import SHAPE_ONLY_KINDS, Drafter, build_drafter, build_shape_drafter, default_early_exit_layers
 from specdec.drafters.eagle_head import HEAD_CONTEXT
@@ -74,6 +75,16 @@ def build_core_drafter(
         del target.model.model.layers[keep:]  # the runner holds the first `keep`; free the rest
         LOG.info("early exit: kept %d of the target's layers", keep)
     return drafter
+
+
+def start_drafter_process(config: DrafterConfig) -> RunningDrafter:
+    """:func:`start_drafter` within this process's settings from ``config`` (threads, collector;
+    :mod:`grpc_common.process`): what ``python -m drafter_service`` and the Ray actor run."""
+    return start_serving_process(
+        lambda: start_drafter(config),
+        torch_threads=config.torch_threads,
+        gc_thresholds=None,  # CPython's: the drafter's loop allocates little (specdec.gc_policy)
+    )
 
 
 def start_drafter(

@@ -33,21 +33,21 @@ class ServiceActor:
             self._addresses = _worker_addresses(running.address, running.metrics_address)
         elif role == "verifier":
             from verifier_service.config import VerifierConfig
-            from verifier_service.server import start_verifier
+            from verifier_service.server import start_verifier_process
 
-            running = start_verifier(VerifierConfig.from_args(argv))
+            running = start_verifier_process(VerifierConfig.from_args(argv))
             self._addresses = _worker_addresses(running.address, running.metrics_address)
         elif role == "drafter":
             from drafter_service.config import DrafterConfig
-            from drafter_service.server import start_drafter
+            from drafter_service.server import start_drafter_process
 
-            running = start_drafter(DrafterConfig.from_args(argv))
+            running = start_drafter_process(DrafterConfig.from_args(argv))
             self._addresses = _worker_addresses(running.address, running.metrics_address)
         elif role == "router":
             from router.config import RouterConfig
-            from router.server import start_router
+            from router.server import start_router_process
 
-            running = start_router(RouterConfig.from_args(argv))
+            running = start_router_process(RouterConfig.from_args(argv))
             http = running.http_address
             scheme = "https" if running.config.tls.enabled else "http"
             self._addresses = {"grpc": running.grpc_address, "http": http, "metrics": f"{scheme}://{http}/metrics"}

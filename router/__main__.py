@@ -13,8 +13,7 @@ import sys
 
 from grpc_common.server import TerminationSignal
 from router.config import RouterConfig
-from router.server import start_router
-from specdec import gc_policy
+from router.server import start_router_process
 from specdec.errors import SpecdecError
 
 
@@ -22,12 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = RouterConfig.from_args(argv)
-        gc_policy.choice_from()  # a bad SPECDEC_GC fails before anything starts
-        router = start_router(config)
+        router = start_router_process(config)
     except (SpecdecError, OSError) as error:
         print(f"router: error: {error}", file=sys.stderr)
         return 2
-    gc_policy.settle()
     termination = TerminationSignal()
     print(json.dumps({"grpc": router.grpc_address, "http": router.http_address, "model": config.model}), flush=True)
     termination.wait()

@@ -25,6 +25,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2
 from transformers import PreTrainedTokenizerBase
 
+from grpc_common.process import start_serving_process
 from grpc_common.server import RunningAioServer, start_aio_server
 from router.config import RouterConfig
 from router.frontend import Frontend
@@ -94,6 +95,12 @@ class RunningRouter:
         if others:  # requests cancelled by the servers still close their sequences on the workers
             await asyncio.wait(others, timeout=max(grace_s, 1.0))
         await self.frontend.pool.close()
+
+
+def start_router_process(config: RouterConfig) -> RunningRouter:
+    """:func:`start_router` within this process's settings (its collector, :mod:`grpc_common.process`): what
+    ``python -m router`` and the Ray actor run."""
+    return start_serving_process(lambda: start_router(config))
 
 
 def start_router(

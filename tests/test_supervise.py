@@ -287,3 +287,35 @@ def test_a_tensor_parallel_verifier_actor_serves_through_its_ranks(tmp_path, mon
         for rank in ranks:
             if rank.poll() is None:
                 rank.kill()
+
+
+def test_an_actor_applies_the_process_settings_of_python_m(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Ray actor (``specdec up``, KubeRay) applies what ``python -m verifier_service`` does before and after the
+    service starts: here its ``--torch-threads`` and the frozen collector (it once applied neither)."""
+    import gc
+
+    import torch
+
+    from launcher.actors import ServiceActor
+    from specdec import gc_policy
+    from tests.tiny_models import tiny_llama
+
+    tiny_llama(seed=21, vocab_size=8, num_layers=1).model.save_pretrained(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv(gc_policy.ENV, raising=False)
+    threads, thresholds = torch.get_num_threads(), gc.get_threshold()
+    wanted_threads = 1 if threads > 1 else 2
+    gc.unfreeze()
+    argv = ["--model", str(tmp_path), "--port", "0", "--torch-threads", str(wanted_threads)]
+    try:
+        actor = ServiceActor("verifier", [*argv, "--malloc-mmap-threshold-mb", "0"])  # 0: this process's malloc kept
+        try:
+            assert torch.get_num_threads() == wanted_threads
+            assert gc.get_freeze_count() > 0
+            assert gc.get_threshold() == thresholds  # a model service keeps CPython's
+        finally:
+            actor.stop()
+    finally:
+        torch.set_num_threads(threads)
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)

@@ -15,16 +15,15 @@ import signal
 import sys
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
-from grpc_common.memory import fix_glibc_mmap_threshold
+from grpc_common.process import prepare
 from grpc_common.server import TerminationSignal
 from specdec import gc_policy
 from specdec.errors import SpecdecError
 from specdec.runner import KVRunner
 from verifier_service.config import VerifierConfig
-from verifier_service.server import RunningVerifier, serve, start_verifier
+from verifier_service.server import RunningVerifier, serve, start_verifier_process
 from verifier_service.tensor_parallel import (
     SOURCE,
     BroadcastRunner,
@@ -42,14 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = VerifierConfig.from_args(argv)
-        gc_policy.choice_from()  # a bad SPECDEC_GC fails before the model loads
-        if config.malloc_mmap_threshold_mb:  # process-wide, before the model's allocations
-            fix_glibc_mmap_threshold(config.malloc_mmap_threshold_mb << 20)
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
         if config.world_size > 1:
+            prepare(torch_threads=config.torch_threads, mmap_threshold_mb=config.malloc_mmap_threshold_mb)
             return _tensor_parallel(config)
-        running = start_verifier(config)
+        running = start_verifier_process(config)
     except SpecdecError as error:
         print(f"verifier_service: {error}", file=sys.stderr)
         return 2
@@ -70,7 +65,9 @@ def _tensor_parallel(config: VerifierConfig) -> int:
         try:
             model = load_sharded_model(config)
             runner = BroadcastRunner(KVRunner(model.model, max_seq_len=config.max_seq_len or None))
-            _serve_until_signal(serve(config, runner, model), config)
+            running = serve(config, runner, model)
+            gc_policy.settle(thresholds=None)  # as start_verifier_process does
+            _serve_until_signal(running, config)
         finally:
             stop_followers()
         return 0
@@ -79,7 +76,6 @@ def _tensor_parallel(config: VerifierConfig) -> int:
 
 
 def _serve_until_signal(running: RunningVerifier, config: VerifierConfig) -> None:
-    gc_policy.settle(thresholds=None)  # frozen, but passes as often as CPython makes them: short ones
     termination = TerminationSignal()
     ready = {"address": running.address, "model": config.model, "world_size": config.world_size}
     if running.metrics_address is not None:

@@ -11,6 +11,7 @@ import torch
 from specdec_wire.v1 import verifier_pb2, verifier_pb2_grpc
 
 from grpc_common.memory import IdleTrim, glibc_malloc_trim
+from grpc_common.process import start_serving_process
 from grpc_common.server import RunningService, start_service
 from specdec.acceptance import SampledRule, verify_batched
 from specdec.calibration import measure_forward_costs
@@ -28,6 +29,17 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  #
 
 
 RunningVerifier = RunningService[VerifyScheduler, VerifierConfig]
+
+
+def start_verifier_process(config: VerifierConfig) -> RunningVerifier:
+    """:func:`start_verifier` within this process's settings from ``config`` (threads, mmap threshold, collector;
+    :mod:`grpc_common.process`): what ``python -m verifier_service`` and the Ray actor run."""
+    return start_serving_process(
+        lambda: start_verifier(config),
+        torch_threads=config.torch_threads,
+        mmap_threshold_mb=config.malloc_mmap_threshold_mb,
+        gc_thresholds=None,  # CPython's: the verifier's loop allocates little (specdec.gc_policy)
+    )
 
 
 def start_verifier(
