@@ -7,6 +7,8 @@ import queue
 import subprocess
 import sys
 
+import pytest
+
 from grpc_common.memory import IdleTrim, glibc_malloc_trim
 
 
@@ -52,3 +54,39 @@ def test_mmap_threshold_is_set_on_glibc() -> None:
     code = "from grpc_common.memory import fix_glibc_mmap_threshold as f; print(f(16 << 20))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)  # process-wide
     assert done.stdout.strip() == str(on_glibc)
+
+
+PACKED_SHAPES = """
+import torch
+from grpc_common.process import prepare
+from specdec.linear import PackedLinear, can_pack
+
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+prepare()
+torch.manual_seed(0)
+torch.set_num_threads(1)
+linear = torch.nn.Linear(64, 64, bias=False)
+if not can_pack(linear):
+    print("cannot pack")
+    raise SystemExit
+layer = PackedLinear(linear)
+with torch.inference_mode():
+    layer(torch.randn(1, 64))
+    start = rss_mib()
+    for rows in range(2, 302):
+        layer(torch.randn(rows, 64))
+print(rss_mib() - start)
+"""
+
+
+def test_a_service_process_bounds_onednns_per_shape_caches() -> None:
+    """300 row counts through one packed layer: oneDNN's caches keep ~0.6 MiB a shape (~170 MiB here by default, 1 024
+    shapes each); a service process keeps 64, ~50 MiB."""
+    if platform.system() != "Linux":
+        pytest.skip("reads /proc/self/statm")
+    done = subprocess.run([sys.executable, "-c", PACKED_SHAPES], capture_output=True, text=True, check=True)
+    if done.stdout.strip() == "cannot pack":
+        pytest.skip("no oneDNN packed linear in this torch")
+    assert float(done.stdout) < 100
