@@ -207,17 +207,22 @@ def stream_batches(
 
     def when_done(request: Any, batch: StartedBatch) -> None:
         futures = batch.futures
+        if not futures:
+            done.put((request, batch))
+            return
+        # The Futures keep their callbacks and the batch keeps its Futures: the callbacks reach the batch only
+        # through ``pending``, emptied once it is done, so that no cycle keeps an answered batch (and its request's
+        # feature rows, megabytes a prompt) alive until one of the collector's rare full passes.
+        pending: list[Any] = [request, batch]
         remaining = [len(futures)]
 
         def one_done(_: Future) -> None:
             with lock:
                 remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                done.put((request, batch))
+                finished = (pending.pop(0), pending.pop()) if remaining[0] == 0 else None
+            if finished is not None:
+                done.put(finished)
 
-        if not futures:
-            done.put((request, batch))
         for future in futures:
             future.add_done_callback(one_done)
 
