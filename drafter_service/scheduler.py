@@ -31,6 +31,7 @@ import torch
 
 from drafter_service.metrics import DrafterMetrics
 from grpc_common.arrivals import DEFAULT_FRACTION
+from grpc_common.memory import IdleTrim
 from grpc_common.scheduler import BatchJob, BatchScheduler
 from specdec.drafters import DraftConfig, Drafter
 from specdec.drafters.base import Proposal
@@ -83,7 +84,8 @@ class DraftScheduler(BatchScheduler[_Propose]):
     """Serialises every call on ``drafter`` onto one thread and batches Propose calls.
 
     ``metrics`` (default: a fresh, unserved set) receives the scheduler's series. ``idle_timeout_s`` (None: never)
-    is a sequence's lease: one no call has named for that long is closed.
+    is a sequence's lease: one no call has named for that long is closed. ``idle_trim`` (None: never) hands freed
+    heap memory back to the OS once the scheduler has had no job for a while (:mod:`grpc_common.memory`).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class DraftScheduler(BatchScheduler[_Propose]):
         max_open_sequences: int = 4096,
         metrics: DrafterMetrics | None = None,
         idle_timeout_s: float | None = None,
+        idle_trim: IdleTrim | None = None,
     ) -> None:
         super().__init__(
             "drafter",
@@ -103,6 +106,7 @@ class DraftScheduler(BatchScheduler[_Propose]):
             batch_wait_s=batch_wait_s,
             arrival_wait=arrival_wait,
             idle_timeout_s=idle_timeout_s,
+            idle_trim=idle_trim,
         )
         self.drafter = drafter
         self.metrics = DrafterMetrics() if metrics is None else metrics

@@ -14,6 +14,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.scheduler import DraftScheduler
 from drafter_service.servicer import DrafterServicer
+from grpc_common.memory import IdleTrim, glibc_malloc_trim
 from grpc_common.process import start_serving_process
 from grpc_common.server import RunningService, start_service
 from specdec.drafters import SHAPE_ONLY_KINDS, Drafter, build_drafter, build_shape_drafter, default_early_exit_layers
@@ -104,6 +105,7 @@ def start_drafter(
         max_open_sequences=config.max_open_sequences,
         metrics=metrics,
         idle_timeout_s=config.sequence_idle_timeout_s or None,
+        idle_trim=IdleTrim(config.malloc_trim_idle_s, glibc_malloc_trim()),
     )
     scheduler.start()
     servicer = DrafterServicer(

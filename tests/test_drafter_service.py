@@ -27,6 +27,7 @@ from drafter_service.server import SERVICE_NAME, build_core_drafter
 from drafter_service.servicer import shape_from_wire
 from grpc_common.convert import sampling_to_wire
 from grpc_common.convert_rows import proposal_from_wire
+from grpc_common.memory import IdleTrim
 from specdec.drafters import DraftConfig, Proposal
 from specdec.errors import CancelledByCallerError, InvalidArgumentError
 from specdec.models import LoadedModel
@@ -621,3 +622,24 @@ def test_a_device_the_machine_lacks_is_refused_naming_it(kind: str, target: Load
     )
     with pytest.raises(InvalidArgumentError, match="device"):
         build_core_drafter(config)
+
+
+def test_idle_trim_runs_once_the_drafter_goes_idle() -> None:
+    trimmed = threading.Event()
+    drafter = ScriptedDrafter()
+    scheduler = DraftScheduler(drafter, max_batch_size=3, idle_trim=IdleTrim(0.01, trimmed.set))
+    scheduler.start()
+    try:
+        open_all(scheduler, ["a"])
+        assert trimmed.wait(TIMEOUT_S), "no job for idle_s after work: trim"
+        open_all(scheduler, ["b"])  # it serves on after a trim
+        assert drafter.num_open == 2
+    finally:
+        scheduler.stop()
+
+
+def test_a_drafter_trims_freed_memory_after_a_second_idle_by_default() -> None:
+    assert DrafterConfig(kind="ngram").malloc_trim_idle_s == 1.0
+    assert DrafterConfig.from_args(["--kind", "ngram", "--malloc-trim-idle-s", "0"]).malloc_trim_idle_s == 0
+    with pytest.raises(ValueError, match="malloc_trim_idle_s"):
+        DrafterConfig(kind="ngram", malloc_trim_idle_s=-1)
