@@ -8,6 +8,7 @@ re-placed actor on a new pod would. The scaling rule itself is :mod:`launcher.au
 from __future__ import annotations
 
 import itertools
+import os
 import types
 from dataclasses import replace
 
@@ -296,6 +297,7 @@ def test_an_actor_applies_the_process_settings_of_python_m(tmp_path, monkeypatch
 
     import torch
 
+    from grpc_common.process import ONEDNN_SHAPE_CACHE_ENTRIES, ONEDNN_SHAPE_CACHES
     from launcher.actors import ServiceActor
     from specdec import gc_policy
     from tests.tiny_models import tiny_llama
@@ -303,6 +305,8 @@ def test_an_actor_applies_the_process_settings_of_python_m(tmp_path, monkeypatch
     tiny_llama(seed=21, vocab_size=8, num_layers=1).model.save_pretrained(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv(gc_policy.ENV, raising=False)
+    for variable in ONEDNN_SHAPE_CACHES:  # what the actor's prepare() sets, undone after the test
+        monkeypatch.setenv(variable, os.environ.get(variable, str(ONEDNN_SHAPE_CACHE_ENTRIES)))
     threads, thresholds = torch.get_num_threads(), gc.get_threshold()
     wanted_threads = 1 if threads > 1 else 2
     gc.unfreeze()
