@@ -163,6 +163,8 @@ class DraftScheduler(BatchScheduler[_Propose]):
 
         def run() -> int:
             started = time.perf_counter_ns()
+            if sequence_id not in self._handles:  # a Commit after the sequence closed leaves no cancellation behind
+                self._forget_cancellations(sequence_id)
             handle = self._handle(sequence_id)
             if features is not None:
                 self.drafter.add_features(handle, *features)
@@ -176,8 +178,7 @@ class DraftScheduler(BatchScheduler[_Propose]):
 
         def run() -> None:
             handle = self._handles.pop(sequence_id, None)
-            with self._cancel_lock:
-                self._cancelled_through.pop(sequence_id, None)
+            self._forget_cancellations(sequence_id)
             if handle is not None:
                 self.drafter.close(handle)
 
@@ -216,7 +217,13 @@ class DraftScheduler(BatchScheduler[_Propose]):
 
     def _reclaim(self, sequence_id: str) -> None:
         self.drafter.close(self._handles.pop(sequence_id))
+        self._forget_cancellations(sequence_id)
         self.metrics.sequences_reclaimed.inc()
+
+    def _forget_cancellations(self, sequence_id: str) -> None:
+        """Drop a closed sequence's cancelled propose ids: a sequence opened again under its id starts clean."""
+        with self._cancel_lock:
+            self._cancelled_through.pop(sequence_id, None)
 
     def _run_batch(self, jobs: list[BatchJob[_Propose]]) -> None:
         """Pre-draft, assume and propose for the jobs whose sequences are ready, in one drafter call per step; a

@@ -569,6 +569,34 @@ def test_a_commit_cancels_the_predrafts_it_names_queued_running_or_late(scripted
     assert scheduler.status().result(TIMEOUT_S).cancelled == 3
 
 
+def test_a_sequence_opened_again_under_its_id_inherits_no_cancellation() -> None:
+    """A sequence's cancelled propose ids go with it however it ends (closed, its lease reclaimed, or a Commit that
+    came after it closed): opened again under the same id, its Proposes run. Before, a reclaimed sequence's ids
+    stayed cancelled (and were never freed)."""
+    drafter = ScriptedDrafter()
+    scheduler = DraftScheduler(drafter, max_batch_size=3, idle_timeout_s=0.5)
+    scheduler.start()
+    try:
+        for ending in ("reclaimed", "closed", "committed after close"):
+            open_all(scheduler, ["a"])
+            scheduler.commit("a", 1, [5], cancel_through=5).result(TIMEOUT_S)
+            if ending != "reclaimed":
+                scheduler.close("a").result(TIMEOUT_S)
+            if ending == "committed after close":
+                with pytest.raises(KeyError):
+                    scheduler.commit("a", 1, [5], cancel_through=9).result(TIMEOUT_S)
+            deadline = time.monotonic() + TIMEOUT_S
+            while drafter.num_open and time.monotonic() < deadline:  # the lease runs out
+                time.sleep(0.01)
+            assert drafter.num_open == 0, ending
+            open_all(scheduler, ["a"])
+            drafted = scheduler.propose("a", 4, False, propose_id=3).result(TIMEOUT_S)
+            assert len(drafted.proposal.tree) >= 1, ending
+            scheduler.close("a").result(TIMEOUT_S)
+    finally:
+        scheduler.stop()
+
+
 @pytest.mark.parametrize(("kind", "quantization"), [("ngram", "auto"), ("eagle", "none"), ("eagle", "auto")])
 def test_a_drafter_that_runs_no_target_weights_never_loads_them(
     kind: str, quantization: str, target: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
